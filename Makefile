@@ -1,0 +1,26 @@
+# Two entry points: `make repro` (whole pipeline on the embedded default) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+# DVC telemetry tries to reach outside on every command; the stages find `python` in the venv.
+export DVC_NO_ANALYTICS := 1
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: install repro test clean
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+repro: install
+	$(BIN)/dvc repro
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,53 @@
+"""`draftsmith` command line: inspect and check the config (the pipeline itself runs through
+`dvc repro`; each stage is also runnable alone as `python -m stages.<name>`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+import yaml
+
+from draftsmith.config import load_config
+from draftsmith.errors import DraftsmithError
+
+app = typer.Typer(help="Draftsmith: train EAGLE-3 drafters with a reproducible DVC pipeline.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+config_app = typer.Typer(help="Inspect and validate params.yaml.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+ParamsOpt = typer.Option(Path("params.yaml"), "--params", "-p", help="parameters file")
+SetOpt = typer.Option(None, "--set", "-s", help="override, e.g. -s generate.num_samples=10")
+
+
+def _load(params: Path, overrides: list[str] | None):
+    try:
+        return load_config(params, overrides or [])
+    except DraftsmithError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@config_app.command("show")
+def config_show(params: Path = ParamsOpt, set_: list[str] = SetOpt,
+                section: str = typer.Argument(None, help="print only this section")):
+    """Print the resolved, validated config (defaults filled in, overrides applied)."""
+    cfg = _load(params, set_).model_dump()
+    if section:
+        if section not in cfg:
+            typer.echo(f"error: no section '{section}' (sections: {', '.join(cfg)})", err=True)
+            raise typer.Exit(2)
+        cfg = {section: cfg[section]}
+    yaml.safe_dump(cfg, sys.stdout, sort_keys=False)
+
+
+@config_app.command("check")
+def config_check(params: Path = ParamsOpt, set_: list[str] = SetOpt):
+    """Validate params.yaml; exit 2 with an explanation if anything is wrong."""
+    _load(params, set_)
+    typer.echo(f"{params}: ok")
+
+
+if __name__ == "__main__":
+    app()

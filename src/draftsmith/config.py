@@ -1,0 +1,268 @@
+"""The one typed config: params.yaml parsed and validated before any work starts.
+
+Each pipeline stage takes only its own section (``cfg.generate``, ``cfg.tokenize``...), so
+dvc.yaml can declare exactly the params each stage depends on. Checks that need the resolved
+target (its vocab size, its layer count) live in ``check_against_target``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from draftsmith.errors import ConfigError
+
+EMBEDDED = "embedded"
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo in params.yaml must never be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmbeddedTargetConfig(_Section):
+    seed: int = 0
+    vocab_size: int = Field(1024, ge=300, le=65536)
+    hidden_size: int = Field(128, ge=16)
+    num_layers: int = Field(8, ge=4)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(384, ge=16)
+    max_seq_len: int = Field(256, ge=64)
+    copy_warmup_steps: int = Field(400, ge=0)
+    train_steps: int = Field(600, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    train_examples: int = Field(20000, ge=10)
+    eval_examples: int = Field(200, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+
+class TargetConfig(_Section):
+    model: str = EMBEDDED
+    revision: str = "main"
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_format: Literal["auto", "qwen3", "deepseek-r1", "chatml", "llama3"] = "auto"
+    embedded: EmbeddedTargetConfig = EmbeddedTargetConfig()
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model == EMBEDDED
+
+
+class GenerateConfig(_Section):
+    source: str = "builtin"
+    split: str = "train"
+    format: Literal["auto", "messages", "sharegpt", "prompt"] = "auto"
+    column: str | None = None
+    num_samples: int = Field(1000, ge=1)
+    seed: int = 0
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(160, ge=1)
+    thinking: bool = True
+    batch_size: int = Field(64, ge=1)
+    backend: Literal["inprocess"] = "inprocess"
+
+    @model_validator(mode="after")
+    def _source_exists(self):
+        if self.source in ("builtin",) or self.source.startswith("hf:"):
+            return self
+        if not Path(self.source).exists():
+            raise ValueError(
+                f"source file '{self.source}' does not exist; use 'builtin', an existing "
+                ".jsonl/.parquet path, or 'hf:<dataset id>'"
+            )
+        if not self.source.endswith((".jsonl", ".json", ".parquet")):
+            raise ValueError(f"source '{self.source}' must be a .jsonl, .json or .parquet file")
+        return self
+
+
+class TokenizeConfig(_Section):
+    truncated: Literal["drop", "keep"] = "drop"
+    max_length: int = Field(512, ge=8)
+    on_format_error: Literal["fail", "drop"] = "fail"
+    check_template: bool = True
+    shard_size: int = Field(4096, ge=1)
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int = Field(512, ge=1)
+
+
+class HiddenConfig(_Section):
+    aux_layers: list[int] | None = Field(None, min_length=1)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    batch_size: int = Field(16, ge=1)
+    shard_samples: int = Field(256, ge=1)
+
+
+class TrainConfig(_Section):
+    init: str = "copy"
+    ttt_steps: int = Field(7, ge=1)
+    step_weight: float = Field(0.8, gt=0, le=1)
+    loss: Literal["soft_ce", "kl"] = "soft_ce"
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    bf16: bool = False
+    seed: int = 0
+    eval_samples: int = Field(64, ge=0)
+    intermediate_size: int | None = Field(None, ge=1)
+    save_every: int = Field(200, ge=0)
+    log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _init_exists(self):
+        if self.init not in ("copy", "scratch") and not Path(self.init).is_dir():
+            raise ValueError(
+                f"init '{self.init}' is neither 'copy', 'scratch' nor an existing EAGLE-3 "
+                "drafter directory"
+            )
+        return self
+
+
+class Config(_Section):
+    target: TargetConfig = TargetConfig()
+    generate: GenerateConfig = GenerateConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    vocab: VocabConfig = VocabConfig()
+    hidden: HiddenConfig = HiddenConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def _did_you_mean(name: str, section: type[BaseModel]) -> str:
+    close = difflib.get_close_matches(name, list(section.model_fields), n=1)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(section.model_fields)}"
+
+
+def _section_at(loc: tuple) -> type[BaseModel]:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            break
+        if issubclass(field.annotation, BaseModel):
+            model = field.annotation
+    return model
+
+
+def _explain(err: ValidationError, origin: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            hint = _did_you_mean(str(e["loc"][-1]), _section_at(e["loc"]))
+            lines.append(f"{key}: unknown key ({hint})")
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{key or '<root>'}: {e['msg'].removeprefix('Value error, ')}{shown}")
+    return ConfigError(
+        f"{origin} is invalid:\n  " + "\n  ".join(lines),
+        f"edit the key(s) above in {origin}; `draftsmith config show` prints the resolved config",
+    )
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`generate.num_samples=10` -> (['generate', 'num_samples'], 10); values parse as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not key=value", "write e.g. generate.seed=1")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{text}': '{part}' is not a section", "check the key path")
+        node[path[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
+    """Read, override and validate params.yaml. Raises ConfigError naming every bad key."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} not found", "run from the repository root or pass --params")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must be a mapping of sections", "see the README for the layout")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as exc:
+        raise _explain(exc, str(path)) from None
+    check_static(cfg)
+    if cfg.target.is_embedded:
+        emb = cfg.target.embedded
+        check_against_target(cfg, vocab_size=emb.vocab_size, num_layers=emb.num_layers)
+    return cfg
+
+
+def check_static(cfg: Config) -> None:
+    """Cross-section checks that need no artifact (the embedded target's shape is known)."""
+    emb = cfg.target.embedded
+    if cfg.target.is_embedded:
+        needed = cfg.generate.max_new_tokens + 96
+        if needed > emb.max_seq_len:
+            raise ConfigError(
+                f"generate.max_new_tokens={cfg.generate.max_new_tokens} leaves no room for the "
+                f"prompt in the embedded target's {emb.max_seq_len} positions",
+                f"lower generate.max_new_tokens to <= {emb.max_seq_len - 96} or raise "
+                "target.embedded.max_seq_len",
+            )
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers: id k is the hidden state entering target layer k."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_against_target(cfg: Config, *, vocab_size: int, num_layers: int) -> None:
+    """Checks that need the target's shape. For the embedded target they run at load time;
+    for a hub model the stages call this once the target is resolved, before expensive work."""
+    if cfg.vocab.draft_vocab_size > vocab_size:
+        raise ConfigError(
+            f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} is larger than the target's "
+            f"vocab ({vocab_size})",
+            f"set vocab.draft_vocab_size <= {vocab_size} (typically 8-32K for a 128K+ vocab)",
+        )
+    layers = cfg.hidden.aux_layers or default_aux_layers(num_layers)
+    bad = [k for k in layers if not 0 <= k < num_layers]
+    if bad:
+        raise ConfigError(
+            f"hidden.aux_layers {layers} has ids outside 0..{num_layers - 1} for a "
+            f"{num_layers}-layer target (id k = the hidden state entering layer k)",
+            f"use ids in 0..{num_layers - 1}, or null for vLLM's default "
+            f"{default_aux_layers(num_layers)}",
+        )
+    if len(set(layers)) != len(layers):
+        raise ConfigError(
+            f"hidden.aux_layers {layers} repeats a layer", "list distinct layer ids"
+        )

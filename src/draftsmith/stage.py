@@ -1,0 +1,38 @@
+"""Glue for the thin scripts in stages/: paths from the command line, the config from
+params.yaml, timing, metrics JSON, and clean errors (no traceback for a user's mistake)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from draftsmith.atomic import write_json
+from draftsmith.config import Config, load_config
+from draftsmith.errors import DraftsmithError
+
+
+def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
+               paths: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog=f"stages.{name}", description=f"Draftsmith stage '{name}'")
+    parser.add_argument("--params", default="params.yaml", help="parameters file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a parameter (repeatable), e.g. --set generate.seed=1")
+    for p in paths:
+        parser.add_argument(f"--{p}", required=True, type=Path)
+    parser.add_argument("--metrics", type=Path, help="write the stage's metrics JSON here")
+    args = parser.parse_args()
+    try:
+        cfg = load_config(args.params, args.set)
+        t0 = time.time()
+        metrics = run(cfg, args)
+        metrics["wall_s"] = round(time.time() - t0, 1)
+    except DraftsmithError as exc:
+        print(f"error in stage '{name}': {exc}", file=sys.stderr)
+        sys.exit(2)
+    if args.metrics:
+        write_json(args.metrics, metrics)
+    print(f"{name}: " + json.dumps(metrics))

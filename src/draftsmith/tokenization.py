@@ -1,0 +1,129 @@
+"""Tokenize stage: raw samples -> chat-templated token ids with assistant-only loss masks.
+
+Output: `shard-XXXXX.safetensors` files, each holding the samples' tokens packed end to end
+(`input_ids` int32, `loss_mask` uint8, `cu_seqlens` int64 sample boundaries; no padding), and
+`manifest.json` with the sample ids of each shard. The format check (see draftsmith.render)
+runs on every sample before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from draftsmith.atomic import atomic_path, read_jsonl, write_json
+from draftsmith.config import TokenizeConfig
+from draftsmith.errors import DraftsmithError
+from draftsmith.generate import SAMPLES_FILE
+from draftsmith.render import render_sample
+from draftsmith.target import load_tokenizer, read_info
+
+MANIFEST = "manifest.json"
+
+_PROBLEM_HELP = {
+    "emission_mismatch": "the parsed reasoning/content do not rebuild the raw completion: the "
+                         "reasoning wrapper or its separators were lost (check the chat format)",
+    "template_prompt_mismatch": "the chat template renders the conversation's prompt part "
+                                "differently once an assistant turn follows",
+    "template_turn_mismatch": "the chat template renders the assistant turn differently from what "
+                              "the model emits (dropped reasoning, an inserted empty think block, "
+                              "or reasoning joined to the answer without the wrapper)",
+}
+
+
+def encode(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + response and the loss mask (1 on response tokens).
+
+    Encoded separately so the prompt ids are exactly those the target was served, and the
+    boundary never falls inside a merged token."""
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"]
+    return p + r, [0] * len(p) + [1] * len(r)
+
+
+def run(cfg: TokenizeConfig, target_dir: Path, raw_dir: Path, out_dir: Path) -> dict:
+    info = read_info(target_dir)
+    fmt = info.format
+    tokenizer = load_tokenizer(target_dir)
+    records = read_jsonl(Path(raw_dir) / SAMPLES_FILE)
+    dropped: Counter = Counter()
+    problems: Counter = Counter()
+    examples: dict[str, str] = {}
+    kept: list[tuple[str, list[int], list[int]]] = []
+    checked = passed = 0
+    for rec in tqdm(records, desc="tokenize", unit="sample"):
+        if rec["finish_reason"] != "stop" and cfg.truncated == "drop":
+            dropped["truncated"] += 1
+            continue
+        r = render_sample(tokenizer, fmt, rec, check_template=cfg.check_template)
+        checked += 1
+        if r.problems:
+            problems.update(r.problems)
+            for p in r.problems:
+                examples.setdefault(p, rec["id"])
+            dropped["format_error"] += 1
+            continue
+        passed += 1
+        ids, mask = encode(tokenizer, r.prompt, r.response)
+        if len(ids) > cfg.max_length:
+            dropped["too_long"] += 1
+            continue
+        kept.append((rec["id"], ids, mask))
+
+    if problems and cfg.on_format_error == "fail":
+        detail = "\n  ".join(f"{p}: {n} sample(s), e.g. id {examples[p]} - {_PROBLEM_HELP[p]}"
+                             for p, n in problems.items())
+        raise DraftsmithError(
+            f"format check failed for {checked - passed} of {checked} samples:\n  {detail}",
+            "fix the generation/template (see above); tokenize.check_template: false skips the "
+            "template comparison for templates that strip reasoning from history on purpose "
+            "(e.g. DeepSeek-R1); tokenize.on_format_error: drop drops failing samples",
+        )
+    if not kept:
+        raise DraftsmithError(f"no samples left after tokenize (dropped: {dict(dropped)})",
+                              "check tokenize.max_length and tokenize.truncated")
+    _write_shards(kept, cfg.shard_size, Path(out_dir), tokenizer_vocab=len(tokenizer))
+    tokens = sum(len(ids) for _, ids, _ in kept)
+    return {
+        "samples_in": len(records),
+        "samples_kept": len(kept),
+        "dropped": {k: dropped.get(k, 0) for k in ("truncated", "format_error", "too_long")},
+        "format_check_pass_rate": round(passed / checked, 4) if checked else None,
+        "format_problems": dict(problems),
+        "tokens": tokens,
+        "loss_tokens": sum(sum(m) for _, _, m in kept),
+        "mean_tokens_per_sample": round(tokens / len(kept), 2),
+    }
+
+
+def _write_shards(kept, shard_size: int, out_dir: Path, tokenizer_vocab: int) -> None:
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        shards = []
+        for s, i in enumerate(range(0, len(kept), shard_size)):
+            part = kept[i:i + shard_size]
+            lengths = torch.tensor([0] + [len(ids) for _, ids, _ in part])
+            name = f"shard-{s:05d}.safetensors"
+            save_file({
+                "input_ids": torch.tensor([t for _, ids, _ in part for t in ids], dtype=torch.int32),
+                "loss_mask": torch.tensor([m for _, _, mask in part for m in mask], dtype=torch.uint8),
+                "cu_seqlens": torch.cumsum(lengths, 0),
+            }, tmp / name)
+            shards.append({"file": name, "ids": [sid for sid, _, _ in part]})
+        write_json(tmp / MANIFEST, {"vocab_size": tokenizer_vocab, "shards": shards})
+
+
+def iter_samples(tokenized_dir: Path):
+    """Yield (sample_id, input_ids, loss_mask) tensors from a tokenized artifact."""
+    import json
+
+    manifest = json.loads((Path(tokenized_dir) / MANIFEST).read_text())
+    for shard in manifest["shards"]:
+        t = load_file(Path(tokenized_dir) / shard["file"])
+        cu = t["cu_seqlens"].tolist()
+        for k, sid in enumerate(shard["ids"]):
+            yield sid, t["input_ids"][cu[k]:cu[k + 1]].long(), t["loss_mask"][cu[k]:cu[k + 1]].bool()

@@ -1,0 +1,206 @@
+"""Build the embedded target: tokenizer, tiny Qwen3 model, training, evaluation, HF-layout save.
+
+Deterministic for a given config and thread count. The loss is on assistant tokens only, like
+a chat SFT run; 10% of the chats are rendered with thinking off so the template's
+thinking-off path is a real behaviour of the model too.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+from draftsmith.chat_format import FORMATS
+from draftsmith.config import EmbeddedTargetConfig
+from draftsmith.inprocess import complete
+from draftsmith.render import prompt_text
+from draftsmith.toy import tasks
+from draftsmith.toy.tokenizer import IM_END, train_tokenizer
+
+FORMAT = FORMATS["qwen3"]
+THINKING_OFF_SHARE = 0.1
+
+
+def chat(ex: tasks.Example) -> list[dict]:
+    return [{"role": "user", "content": ex.prompt}]
+
+
+def _texts(tokenizer, exs, rng: random.Random):
+    for ex in exs:
+        thinking = rng.random() >= THINKING_OFF_SHARE
+        prompt = prompt_text(tokenizer, chat(ex), thinking)
+        yield prompt, FORMAT.emission(ex.reasoning if thinking else None, ex.answer, thinking=thinking)
+
+
+def _encode(tokenizer, exs, seed: int, max_len: int):
+    """(ids, loss mask) per chat; the mask covers the response, end-of-turn included."""
+    rows = []
+    for prompt, response in _texts(tokenizer, exs, random.Random(seed)):
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"]
+        ids = (p + r)[:max_len]
+        rows.append((ids, ([0] * len(p) + [1] * len(r))[:max_len]))
+    return rows
+
+
+def _repeat_rows(tokenizer, n: int, seed: int, max_len: int):
+    """Plain-text "pretraining" rows: a list of distinct words, a newline, the same
+    list again, loss on the repeat. The chat tasks need copying from context (induction heads),
+    which a tiny model finds in a few hundred steps from this signal alone but not from the chats,
+    where it sits on a template-only plateau: so training starts with these (copy warm-up)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        items = rng.sample(tasks.WORDS, rng.randint(4, 16))
+        a = tokenizer(" ".join(items) + "\n", add_special_tokens=False)["input_ids"]
+        b = tokenizer(" ".join(items), add_special_tokens=False)["input_ids"]
+        rows.append(((a + b)[:max_len], ([0] * len(a) + [1] * len(b))[:max_len]))
+    return rows
+
+
+def _batch(rows, pad_id: int):
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (x, m) in enumerate(rows):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(x)] = torch.tensor([t if k else -100 for t, k in zip(x, m)])
+    return ids, labels
+
+
+def _length_grouped_batches(rows, batch_size: int, rng: random.Random) -> list[list[int]]:
+    """One epoch of batches of similar length (padding was ~40% of the work otherwise)."""
+    order = rng.sample(range(len(rows)), len(rows))
+    window = batch_size * 32
+    batches = []
+    for i in range(0, len(order), window):
+        chunk = sorted(order[i:i + window], key=lambda j: len(rows[j][0]))
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _lr(step: int, total: int, peak: float) -> float:
+    # Flat then linear decay: a cosine schedule leaves the toy stuck on its early plateau
+    # (learns the templates first, copying from context later).
+    # The chat phase warms up again: switching data at full rate spiked the loss.
+    warm, flat = max(1, total // 10), int(total * 0.7)
+    if step < warm:
+        return peak * (step + 1) / warm
+    if step < flat:
+        return peak
+    return peak * max(0.0, (total - step) / max(1, total - flat))
+
+
+def _model_config(cfg: EmbeddedTargetConfig, tokenizer) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads, intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+@torch.no_grad()
+def _eval_loss(model, rows, pad_id: int, batch_size: int = 64) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        ids, labels = _batch(rows[i:i + batch_size], pad_id)
+        n = int((labels[:, 1:] != -100).sum())
+        total += float(model(input_ids=ids, labels=labels).loss) * n
+        count += n
+    return total / count
+
+
+def _greedy_accuracy(model, tokenizer, exs) -> dict[str, float]:
+    prompts = [prompt_text(tokenizer, chat(ex), True) for ex in exs]
+    outs = complete(model, tokenizer, prompts, eos_token_id=model.config.eos_token_id,
+                    max_new_tokens=160, batch_size=100)
+    per_task: dict[str, list[bool]] = {}
+    for ex, out in zip(exs, outs):
+        _, content, _, _ = FORMAT.parse(out.text, thinking=True)
+        per_task.setdefault(ex.task, []).append(content.strip() == ex.answer)
+    acc = {f"accuracy_{t}": sum(v) / len(v) for t, v in sorted(per_task.items())}
+    acc["answer_accuracy"] = sum(sum(v) for v in per_task.values()) / len(exs)
+    return acc
+
+
+def build(cfg: EmbeddedTargetConfig, out_dir: Path) -> dict:
+    """Train the toy target and save it to out_dir in the standard HF layout. Returns metrics."""
+    t0 = time.time()
+    torch.manual_seed(cfg.seed)
+    train_exs = tasks.examples(cfg.train_examples, cfg.seed, "train")
+    seen = {ex.prompt for ex in train_exs}
+    # Held out: evaluation prompts never seen in training.
+    eval_exs = [ex for ex in tasks.examples(cfg.eval_examples * 2, cfg.seed, "eval")
+                if ex.prompt not in seen][: cfg.eval_examples]
+
+    # The chat markup is special tokens; the merges only need the chats' plain text.
+    corpus = [f"{ex.prompt}\n{ex.reasoning}\n\n{ex.answer}" for ex in train_exs[:5000]]
+    corpus.append("system user assistant")  # the chat roles, so they are whole tokens
+    tokenizer = train_tokenizer(corpus, cfg.vocab_size)
+    rows = _encode(tokenizer, train_exs, cfg.seed, cfg.max_seq_len)
+    repeat_rows = _repeat_rows(tokenizer, max(1000, cfg.copy_warmup_steps * cfg.batch_size),
+                               cfg.seed, cfg.max_seq_len)
+    rows += repeat_rows[: len(rows) // 10]  # a little copying practice stays in the mix
+    eval_rows = _encode(tokenizer, eval_exs, cfg.seed + 1, cfg.max_seq_len)
+
+    model = Qwen3ForCausalLM(_model_config(cfg, tokenizer))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    warmup = _length_grouped_batches(repeat_rows, cfg.batch_size, rng)
+    batches: list[list[int]] = []
+    tokens = 0
+    total = cfg.copy_warmup_steps + cfg.train_steps
+    bar = tqdm(range(total), desc="target: train", unit="step")
+    for step in bar:
+        # Copy warm-up first (mixing chats in from the start kept it from learning to copy).
+        if step < cfg.copy_warmup_steps:
+            pool, batch_ids = repeat_rows, warmup[step % len(warmup)]
+        else:
+            if not batches:
+                batches = _length_grouped_batches(rows, cfg.batch_size, rng)
+            pool, batch_ids = rows, batches.pop()
+        ids, labels = _batch([pool[i] for i in batch_ids], tokenizer.pad_token_id)
+        for g in opt.param_groups:
+            g["lr"] = (cfg.lr if step < cfg.copy_warmup_steps
+                       else _lr(step - cfg.copy_warmup_steps, cfg.train_steps, cfg.lr))
+        model.train()
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += int((ids != tokenizer.pad_token_id).sum())
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    train_s = time.time() - t0
+
+    metrics = {"heldout_loss": round(_eval_loss(model, eval_rows, tokenizer.pad_token_id), 4)}
+    metrics.update({k: round(v, 4) for k, v in _greedy_accuracy(model, tokenizer, eval_exs).items()})
+    metrics.update(
+        parameters=sum(p.numel() for p in model.parameters()),
+        vocab_size=len(tokenizer), train_tokens=tokens,
+        train_tokens_per_s=round(tokens / train_s, 1), eval_examples=len(eval_exs),
+        # A uniform guess over the answers' shapes is ~0: the toy's accuracy is its own.
+        chance_accuracy=0.0,
+    )
+    model.generation_config = GenerationConfig(
+        eos_token_id=model.config.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        do_sample=False, max_new_tokens=160,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if not math.isfinite(metrics["heldout_loss"]):
+        raise RuntimeError("embedded target training diverged (non-finite loss)")
+    return metrics

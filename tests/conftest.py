@@ -1,0 +1,61 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests never touch the network: everything they use is made here.
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                  DVC_NO_ANALYTICS="1", TOKENIZERS_PARALLELISM="false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A toy target small enough to train in about a minute, yet trained enough to emit the
+# chat format reliably (think block, answer, end-of-turn).
+TINY_TARGET = dict(hidden_size=64, num_layers=7, num_heads=2, num_kv_heads=1,
+                   intermediate_size=192, vocab_size=512, copy_warmup_steps=0, train_steps=220, batch_size=16,
+                   lr=4e-3, train_examples=3000, eval_examples=24)
+
+
+@pytest.fixture(scope="session")
+def toy_target(tmp_path_factory) -> Path:
+    """The target artifact (manifest + model) of a tiny embedded toy, built once per session."""
+    from draftsmith import target
+    from draftsmith.config import EmbeddedTargetConfig, TargetConfig
+
+    out = tmp_path_factory.mktemp("target") / "target"
+    target.resolve(TargetConfig(embedded=EmbeddedTargetConfig(**TINY_TARGET)), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_tokenizer(toy_target):
+    from draftsmith.target import load_tokenizer
+
+    return load_tokenizer(toy_target)
+
+
+def copy_repo(dest: Path) -> Path:
+    """A fresh git+DVC checkout of the working tree (tracked and untracked, not ignored)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dest / f)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=dest, check=True)
+    return dest
+
+
+def dvc(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+    if check and proc.returncode:
+        raise AssertionError(f"dvc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
