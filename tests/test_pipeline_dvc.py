@@ -12,8 +12,13 @@ pytestmark = pytest.mark.e2e
 
 SMALL = {
     "target": {"embedded": TINY_TARGET},
-    "generate": {"num_samples": 16, "max_new_tokens": 96, "batch_size": 8},
+    "generate": {"num_samples": 48, "max_new_tokens": 96, "batch_size": 16},
+    "tokenize": {"on_format_error": "drop"},
+    "vocab": {"draft_vocab_size": 128},
+    "train": {"steps": 30, "ttt_steps": 2, "eval_samples": 8, "warmup_steps": 3, "lr": 3e-3},
+    "benchmark": {"num_prompts": 6, "temperatures": [0.0], "max_new_tokens": 64},
 }
+ALL = ["target", "generate", "tokenize", "vocab", "hidden", "train", "export", "benchmark"]
 
 
 def set_params(repo, updates):
@@ -35,22 +40,25 @@ def ran(proc) -> list[str]:
 def repo(tmp_path_factory):
     repo = copy_repo(tmp_path_factory.mktemp("clone"))
     set_params(repo, SMALL)
-    first = dvc("repro", "tokenize", cwd=repo)
-    assert ran(first) == ["target", "generate", "tokenize"]
+    first = dvc("repro", cwd=repo)
+    assert ran(first) == ALL
     return repo
 
 
-def test_metrics_of_the_first_stages(repo):
+def test_metrics_of_every_stage(repo):
     gen = json.loads((repo / "metrics/generate.json").read_text())
-    assert gen["samples"] == 16 and gen["errors"] == 0
+    assert gen["samples"] == 48 and gen["errors"] == 0
     tok = json.loads((repo / "metrics/tokenize.json").read_text())
     assert tok["format_check_pass_rate"] == 1.0 and tok["samples_kept"] > 0
+    bench = json.loads((repo / "metrics/benchmark.json").read_text())
+    assert bench["k"] == 3 and bench["samples"] == 6 and bench["acceptance_length"] >= 1.0
+    assert json.loads((repo / "metrics/export.json").read_text())["vllm_aux_layer_ids"] == [2, 3, 4]
     target = json.loads((repo / "metrics/target.json").read_text())
     assert target["kind"] == "embedded" and target["heldout_loss"] < 3.0
 
 
 def test_second_repro_reruns_nothing(repo):
-    again = dvc("repro", "tokenize", cwd=repo)
+    again = dvc("repro", cwd=repo)
     assert ran(again) == []
     assert "didn't change, skipping" in again.stdout
 
@@ -60,10 +68,36 @@ def test_tokenize_param_reruns_only_tokenize(repo):
     assert ran(dvc("repro", "tokenize", cwd=repo)) == ["tokenize"]
 
 
+def test_train_param_reruns_only_train_and_what_follows(repo):
+    set_params(repo, {"train": {"lr": 2e-3}})
+    assert ran(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
+
+
+def test_plots_render_without_network(repo, tmp_path):
+    dvc("plots", "show", "-o", str(tmp_path / "plots"), cwd=repo)
+    html = (tmp_path / "plots" / "index.html").read_text()
+    assert "acceptance.png" in html and "train.png" in html
+    assert "<script" not in html  # image plots only: nothing to fetch from a CDN
+
+
+def test_metrics_and_params_diff_between_commits(repo):
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    import subprocess
+
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "run 1"], cwd=repo, check=True)
+    set_params(repo, {"benchmark": {"num_speculative_tokens": 2}})
+    dvc("repro", cwd=repo)
+    diff = dvc("metrics", "diff", "HEAD", "--json", cwd=repo).stdout
+    assert json.loads(diff)["metrics/benchmark.json"]["k"] == {"old": 3, "new": 2, "diff": -1}
+    pdiff = json.loads(dvc("params", "diff", "HEAD", "--json", cwd=repo).stdout)
+    assert pdiff["params.yaml"]["benchmark.num_speculative_tokens"]["new"] == 2
+
+
 def test_lock_records_every_artifact_hash(repo):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    for stage in ("target", "generate", "tokenize"):
-        outs = lock["stages"][stage]["outs"]
+    for stage in ALL:
+        outs = lock["stages"][stage].get("outs", [])
         assert all(o.get("md5") for o in outs), (stage, outs)
         assert all(d.get("md5") for d in lock["stages"][stage]["deps"])
     assert "target" in lock["stages"]["target"]["params"]["params.yaml"]

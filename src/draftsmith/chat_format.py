@@ -71,6 +71,19 @@ class ChatFormat:
         return reasoning.strip("\n"), content.lstrip("\n"), True, finished
 
 
+    def well_formed(self, completion: str, *, thinking: bool) -> bool:
+        """Whether the model's raw output is in its own format (parse, rebuild, compare). A
+        small or broken model can emit e.g. two closing tags; such samples are the model's
+        fault, not the pipeline's, and are counted apart from the format check."""
+        reasoning, content, closed, finished = self.parse(completion, thinking=thinking)
+        try:
+            rebuilt = self.emission(reasoning, content, thinking=thinking, finished=finished,
+                                    think_closed=closed)
+        except DraftsmithError:
+            return False
+        return rebuilt == completion and (closed or not finished)
+
+
 FORMATS = {
     f.name: f
     for f in (

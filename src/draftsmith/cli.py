@@ -49,5 +49,23 @@ def config_check(params: Path = ParamsOpt, set_: list[str] = SetOpt):
     typer.echo(f"{params}: ok")
 
 
+@app.command("validate")
+def validate_export(export_dir: Path = typer.Argument(..., help="an engine export, e.g. models/export/vllm"),
+                    target: Path = typer.Option(Path("models/target"), help="target artifact")):
+    """Check an EAGLE-3 export (keys, shapes, dtypes, d2t offsets, aux layer ids) against the
+    target; exit 2 naming every problem."""
+    from draftsmith.export import validate
+    from draftsmith.target import read_info
+
+    try:
+        info = read_info(target)
+        summary = validate(export_dir, target_num_layers=info.num_layers,
+                           target_hidden_size=info.hidden_size, target_vocab_size=info.vocab_size)
+    except DraftsmithError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{export_dir}: ok {summary}")
+
+
 if __name__ == "__main__":
     app()

@@ -33,9 +33,8 @@ class EmbeddedTargetConfig(_Section):
     num_kv_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(384, ge=16)
     max_seq_len: int = Field(256, ge=64)
-    copy_warmup_steps: int = Field(400, ge=0)
-    train_steps: int = Field(600, ge=1)
-    batch_size: int = Field(32, ge=1)
+    train_steps: int = Field(1700, ge=1)
+    batch_size: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
     train_examples: int = Field(20000, ge=10)
     eval_examples: int = Field(200, ge=1)
@@ -140,6 +139,27 @@ class TrainConfig(_Section):
         return self
 
 
+class BenchmarkConfig(_Section):
+    source: str = "builtin"
+    split: str = "test"
+    num_prompts: int = Field(60, ge=1)
+    num_speculative_tokens: int = Field(3, ge=1)
+    temperatures: list[float] = Field([0.0], min_length=1)
+    max_new_tokens: int = Field(160, ge=1)
+    thinking: bool = True
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _temps(self):
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures {self.temperatures} must be >= 0")
+        return self
+
+
+class ExportConfig(_Section):
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
 class Config(_Section):
     target: TargetConfig = TargetConfig()
     generate: GenerateConfig = GenerateConfig()
@@ -147,6 +167,8 @@ class Config(_Section):
     vocab: VocabConfig = VocabConfig()
     hidden: HiddenConfig = HiddenConfig()
     train: TrainConfig = TrainConfig()
+    export: ExportConfig = ExportConfig()
+    benchmark: BenchmarkConfig = BenchmarkConfig()
 
 
 def _did_you_mean(name: str, section: type[BaseModel]) -> str:
@@ -244,16 +266,18 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def check_against_target(cfg: Config, *, vocab_size: int, num_layers: int) -> None:
-    """Checks that need the target's shape. For the embedded target they run at load time;
-    for a hub model the stages call this once the target is resolved, before expensive work."""
-    if cfg.vocab.draft_vocab_size > vocab_size:
+def check_draft_vocab(vocab: VocabConfig, target_vocab_size: int) -> None:
+    if vocab.draft_vocab_size > target_vocab_size:
         raise ConfigError(
-            f"vocab.draft_vocab_size={cfg.vocab.draft_vocab_size} is larger than the target's "
-            f"vocab ({vocab_size})",
-            f"set vocab.draft_vocab_size <= {vocab_size} (typically 8-32K for a 128K+ vocab)",
+            f"vocab.draft_vocab_size={vocab.draft_vocab_size} is larger than the target's "
+            f"vocab ({target_vocab_size})",
+            f"set vocab.draft_vocab_size <= {target_vocab_size} (typically 8-32K for a 128K+ vocab)",
         )
-    layers = cfg.hidden.aux_layers or default_aux_layers(num_layers)
+
+
+def check_aux_layers(hidden: HiddenConfig, num_layers: int) -> list[int]:
+    """The aux layers to capture, checked against the target's depth."""
+    layers = hidden.aux_layers or default_aux_layers(num_layers)
     bad = [k for k in layers if not 0 <= k < num_layers]
     if bad:
         raise ConfigError(
@@ -263,6 +287,12 @@ def check_against_target(cfg: Config, *, vocab_size: int, num_layers: int) -> No
             f"{default_aux_layers(num_layers)}",
         )
     if len(set(layers)) != len(layers):
-        raise ConfigError(
-            f"hidden.aux_layers {layers} repeats a layer", "list distinct layer ids"
-        )
+        raise ConfigError(f"hidden.aux_layers {layers} repeats a layer", "list distinct layer ids")
+    return layers
+
+
+def check_against_target(cfg: Config, *, vocab_size: int, num_layers: int) -> None:
+    """Checks that need the target's shape. For the embedded target they run at load time;
+    for a hub model each stage runs its own once the target is resolved, before its work."""
+    check_draft_vocab(cfg.vocab, vocab_size)
+    check_aux_layers(cfg.hidden, num_layers)

@@ -27,7 +27,9 @@ def _record(p: Prompt, fmt, out, thinking: bool, prompt_tokens: int) -> dict:
     return {
         "id": p.id, "messages": p.messages, "thinking": thinking, "reasoning": reasoning,
         "content": content, "completion": out.text, "finish_reason": out.finish_reason,
-        "think_closed": think_closed, "prompt_tokens": prompt_tokens,
+        "think_closed": think_closed,
+        "well_formed": fmt.well_formed(out.text, thinking=thinking),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": out.num_tokens, "meta": p.meta,
     }
 
@@ -65,15 +67,18 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path) -> dict:
 
 def summarize(records: list[dict], seconds: float, errors: int = 0) -> dict:
     finished = [r for r in records if r["finish_reason"] == "stop"]
-    thinking = [r for r in finished if r["thinking"]]
+    malformed = [r for r in finished if r.get("well_formed") is False]
+    thinking = [r for r in finished if r["thinking"] and r.get("well_formed") is not False]
     captured = [r for r in thinking if r["reasoning"] and r["think_closed"]]
     tokens = sum(r["completion_tokens"] for r in records)
     return {
         "samples": len(records),
         "errors": errors,
-        # Of finished samples asked to think: reasoning found inside the thinking wrapper.
+        # Of finished, well-formed samples asked to think: reasoning found inside the wrapper.
         "reasoning_capture_rate": round(len(captured) / len(thinking), 4) if thinking else None,
         "truncated_share": round(1 - len(finished) / len(records), 4) if records else 0.0,
+        # Finished samples whose raw output is not in the model's own chat format.
+        "malformed_share": round(len(malformed) / len(finished), 4) if finished else 0.0,
         "total_response_tokens": tokens,
         "mean_response_tokens": round(tokens / len(records), 2) if records else 0.0,
         "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,

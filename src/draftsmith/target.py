@@ -148,11 +148,18 @@ def load_tokenizer(artifact_dir: Path):
                                          trust_remote_code=info.trust_remote_code)
 
 
-def load_model(artifact_dir: Path, device: str = "cpu"):
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(artifact_dir: Path, device: str | None = None):
     """The target as a transformers causal LM, safetensors only, in the configured dtype."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    device = device or default_device()
     info = read_info(artifact_dir)
     model_dir = info.model_dir(Path(artifact_dir))
     if info.kind == "hub" and not model_dir.exists():

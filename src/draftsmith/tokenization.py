@@ -59,6 +59,9 @@ def run(cfg: TokenizeConfig, target_dir: Path, raw_dir: Path, out_dir: Path) -> 
         if rec["finish_reason"] != "stop" and cfg.truncated == "drop":
             dropped["truncated"] += 1
             continue
+        if rec.get("well_formed") is False:
+            dropped["malformed"] += 1  # the model's own output broke its format: not trainable
+            continue
         r = render_sample(tokenizer, fmt, rec, check_template=cfg.check_template)
         checked += 1
         if r.problems:
@@ -91,7 +94,8 @@ def run(cfg: TokenizeConfig, target_dir: Path, raw_dir: Path, out_dir: Path) -> 
     return {
         "samples_in": len(records),
         "samples_kept": len(kept),
-        "dropped": {k: dropped.get(k, 0) for k in ("truncated", "format_error", "too_long")},
+        "dropped": {k: dropped.get(k, 0)
+                    for k in ("truncated", "malformed", "format_error", "too_long")},
         "format_check_pass_rate": round(passed / checked, 4) if checked else None,
         "format_problems": dict(problems),
         "tokens": tokens,

@@ -49,21 +49,6 @@ def _encode(tokenizer, exs, seed: int, max_len: int):
     return rows
 
 
-def _repeat_rows(tokenizer, n: int, seed: int, max_len: int):
-    """Plain-text "pretraining" rows: a list of distinct words, a newline, the same
-    list again, loss on the repeat. The chat tasks need copying from context (induction heads),
-    which a tiny model finds in a few hundred steps from this signal alone but not from the chats,
-    where it sits on a template-only plateau: so training starts with these (copy warm-up)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        items = rng.sample(tasks.WORDS, rng.randint(4, 16))
-        a = tokenizer(" ".join(items) + "\n", add_special_tokens=False)["input_ids"]
-        b = tokenizer(" ".join(items), add_special_tokens=False)["input_ids"]
-        rows.append(((a + b)[:max_len], ([0] * len(a) + [1] * len(b))[:max_len]))
-    return rows
-
-
 def _batch(rows, pad_id: int):
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id)
@@ -89,8 +74,7 @@ def _length_grouped_batches(rows, batch_size: int, rng: random.Random) -> list[l
 def _lr(step: int, total: int, peak: float) -> float:
     # Flat then linear decay: a cosine schedule leaves the toy stuck on its early plateau
     # (learns the templates first, copying from context later).
-    # The chat phase warms up again: switching data at full rate spiked the loss.
-    warm, flat = max(1, total // 10), int(total * 0.7)
+    warm, flat = max(1, total // 50), int(total * 0.7)
     if step < warm:
         return peak * (step + 1) / warm
     if step < flat:
@@ -134,6 +118,17 @@ def _greedy_accuracy(model, tokenizer, exs) -> dict[str, float]:
     return acc
 
 
+def _majority_baseline(train_exs, eval_exs) -> float:
+    """Chance level: always giving each task's most common training answer."""
+    from collections import Counter
+
+    common: dict[str, Counter] = {}
+    for ex in train_exs:
+        common.setdefault(ex.task, Counter())[ex.answer] += 1
+    best = {t: c.most_common(1)[0][0] for t, c in common.items()}
+    return sum(ex.answer == best.get(ex.task) for ex in eval_exs) / len(eval_exs)
+
+
 def build(cfg: EmbeddedTargetConfig, out_dir: Path) -> dict:
     """Train the toy target and save it to out_dir in the standard HF layout. Returns metrics."""
     t0 = time.time()
@@ -149,31 +144,20 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path) -> dict:
     corpus.append("system user assistant")  # the chat roles, so they are whole tokens
     tokenizer = train_tokenizer(corpus, cfg.vocab_size)
     rows = _encode(tokenizer, train_exs, cfg.seed, cfg.max_seq_len)
-    repeat_rows = _repeat_rows(tokenizer, max(1000, cfg.copy_warmup_steps * cfg.batch_size),
-                               cfg.seed, cfg.max_seq_len)
-    rows += repeat_rows[: len(rows) // 10]  # a little copying practice stays in the mix
     eval_rows = _encode(tokenizer, eval_exs, cfg.seed + 1, cfg.max_seq_len)
 
     model = Qwen3ForCausalLM(_model_config(cfg, tokenizer))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(cfg.seed)
-    warmup = _length_grouped_batches(repeat_rows, cfg.batch_size, rng)
     batches: list[list[int]] = []
     tokens = 0
-    total = cfg.copy_warmup_steps + cfg.train_steps
-    bar = tqdm(range(total), desc="target: train", unit="step")
+    bar = tqdm(range(cfg.train_steps), desc="target: train", unit="step")
     for step in bar:
-        # Copy warm-up first (mixing chats in from the start kept it from learning to copy).
-        if step < cfg.copy_warmup_steps:
-            pool, batch_ids = repeat_rows, warmup[step % len(warmup)]
-        else:
-            if not batches:
-                batches = _length_grouped_batches(rows, cfg.batch_size, rng)
-            pool, batch_ids = rows, batches.pop()
-        ids, labels = _batch([pool[i] for i in batch_ids], tokenizer.pad_token_id)
+        if not batches:
+            batches = _length_grouped_batches(rows, cfg.batch_size, rng)
+        ids, labels = _batch([rows[i] for i in batches.pop()], tokenizer.pad_token_id)
         for g in opt.param_groups:
-            g["lr"] = (cfg.lr if step < cfg.copy_warmup_steps
-                       else _lr(step - cfg.copy_warmup_steps, cfg.train_steps, cfg.lr))
+            g["lr"] = _lr(step, cfg.train_steps, cfg.lr)
         model.train()
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -191,8 +175,7 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path) -> dict:
         parameters=sum(p.numel() for p in model.parameters()),
         vocab_size=len(tokenizer), train_tokens=tokens,
         train_tokens_per_s=round(tokens / train_s, 1), eval_examples=len(eval_exs),
-        # A uniform guess over the answers' shapes is ~0: the toy's accuracy is its own.
-        chance_accuracy=0.0,
+        chance_accuracy=round(_majority_baseline(train_exs, eval_exs), 4),
     )
     model.generation_config = GenerationConfig(
         eos_token_id=model.config.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -1,0 +1,110 @@
+"""Benchmark stage: acceptance of the trained drafter on held-out prompts.
+
+Held out means: prompts whose stable ids never occur in the generated training data (checked,
+not assumed). The same prompts run with a randomly initialised drafter of the same shape, so the
+metric visibly measures the drafter rather than the prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.atomic import read_jsonl
+from draftsmith.config import BenchmarkConfig
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.errors import DraftsmithError
+from draftsmith.generate import SAMPLES_FILE
+from draftsmith.prompts import builtin_prompts, load_prompts
+from draftsmith.render import prompt_text
+from draftsmith.speculative import Eagle3Proposer, SpecStats, generate
+
+
+def held_out_prompts(cfg: BenchmarkConfig, raw_dir: Path):
+    train_ids = {r["id"] for r in read_jsonl(Path(raw_dir) / SAMPLES_FILE)}
+    if cfg.source == "builtin":
+        candidates = builtin_prompts(cfg.num_prompts * 3, cfg.seed, "benchmark")
+    else:
+        candidates = load_prompts(cfg.source, split=cfg.split, fmt="auto", column=None,
+                                  limit=cfg.num_prompts * 3, seed=cfg.seed)
+    prompts, seen = [], set()
+    for p in candidates:
+        if p.id not in train_ids and p.id not in seen:
+            seen.add(p.id)
+            prompts.append(p)
+    prompts = prompts[: cfg.num_prompts]
+    if len(prompts) < cfg.num_prompts:
+        raise DraftsmithError(
+            f"only {len(prompts)} benchmark prompts are not in the training data "
+            f"({cfg.num_prompts} asked)", "lower benchmark.num_prompts or use another source")
+    assert not {p.id for p in prompts} & train_ids  # the held-out guarantee, checked
+    return prompts, len(candidates) - len(prompts)
+
+
+def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_id, temperature,
+            seed: int, desc: str) -> tuple[dict, list[list[int]]]:
+    total = SpecStats(accepted_at=[0] * k, reached=[0] * k)
+    outputs = []
+    for i, ids in enumerate(tqdm(prompts_ids, desc=desc, unit="prompt")):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        out, stats = generate(model, proposer, ids, k=k, aux_layers=aux_layers,
+                              max_new_tokens=max_new_tokens, eos_id=eos_id,
+                              temperature=temperature, gen=gen)
+        total.add(stats)
+        outputs.append(out)
+    return total.summary(), outputs
+
+
+def random_drafter(trained: Eagle3Drafter, seed: int) -> Eagle3Drafter:
+    """Same shape, vocab map and (frozen, shared) embeddings; every trained weight random."""
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(DrafterConfig(**{**trained.config.to_dict(),
+                                       "aux_layers": trained.config.aux_layers}))
+    d.embed_tokens.weight.data.copy_(trained.embed_tokens.weight)
+    d.d2t.copy_(trained.d2t)
+    d.t2d.copy_(trained.t2d)
+    return d.eval()
+
+
+def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path,
+        plot_file: Path | None = None) -> dict:
+    from draftsmith.target import load_model, load_tokenizer, read_info
+    from draftsmith.train import load_trained
+
+    info = read_info(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    model = load_model(target_dir, device="cpu").float()
+    drafter = load_trained(drafter_dir, model)
+    aux_layers = list(drafter.config.aux_layers)
+    prompts, excluded = held_out_prompts(cfg, raw_dir)
+    prompt_ids = [tokenizer(prompt_text(tokenizer, p.messages, cfg.thinking),
+                            add_special_tokens=False)["input_ids"] for p in prompts]
+    eos = tokenizer.convert_tokens_to_ids(info.format.end_of_turn)
+    common = dict(k=cfg.num_speculative_tokens, aux_layers=aux_layers,
+                  max_new_tokens=cfg.max_new_tokens, eos_id=eos, seed=cfg.seed)
+    results = []
+    for temp in cfg.temperatures:
+        t0 = time.time()
+        summary, _ = measure(model, Eagle3Proposer(drafter), prompt_ids, temperature=temp,
+                             desc=f"benchmark T={temp}", **common)
+        results.append({"temperature": temp, **summary, "wall_s": round(time.time() - t0, 1)})
+    baseline, _ = measure(model, Eagle3Proposer(random_drafter(drafter, cfg.seed)), prompt_ids,
+                          temperature=0.0, desc="benchmark random drafter", **common)
+    if plot_file:
+        from draftsmith.plots import plot_acceptance
+
+        plot_acceptance(results, baseline, plot_file)
+    greedy = next((r for r in results if r["temperature"] == 0), results[0])
+    return {
+        "acceptance_length": greedy["acceptance_length"],
+        "acceptance_rate_per_position": greedy["acceptance_rate_per_position"],
+        "k": cfg.num_speculative_tokens,
+        "samples": len(prompts),
+        "excluded_training_prompts": excluded,
+        "engine": "reference",
+        "results": results,
+        "random_drafter_acceptance_length": baseline["acceptance_length"],
+    }

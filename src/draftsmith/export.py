@@ -1,0 +1,277 @@
+"""Export the drafter for the engines, validate an export, and load an existing drafter.
+
+`vllm/` is the `LlamaForCausalLMEagle3` layout that vLLM loads (llama_eagle3.py): config.json +
+model.safetensors with `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (offsets) and `t2d`; the
+embedding table is left out (the engines share the target's). Its aux layer ids are in vLLM's
+convention: id k = the hidden state entering target layer k.
+
+`sglang/` is the same weights with the ids rewritten for SGLang, which reads an id i as the
+OUTPUT of layer i (`set_eagle3_layers_to_capture` adds one; models/llama.py, qwen3.py,
+deepseek_v2.py), so id k there means the same tensor as vLLM's k + 1. Since sglang#25454 some
+models add the one only when the first id is 1, so the SGLang form is only written unambiguous:
+first vLLM id 2 (the default), first SGLang id 1, read the same by old and new SGLang.
+
+Where each engine reads the ids: vLLM the top-level `eagle_aux_hidden_state_layer_ids`
+(eagle3_utils.get_eagle3_aux_layers_from_config), SGLang `eagle_config.eagle_aux_hidden_state_
+layer_ids` (model_runner.py). The vLLM config carries both (same values); the SGLang config only
+the nested one. Each states its convention in `draftsmith.aux_layer_convention`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.atomic import atomic_path, write_json
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.errors import DraftsmithError
+
+ENGINES = ("vllm", "sglang")
+CONVENTION = {
+    "vllm": "id k = hidden state entering target layer k (output of layer k-1, before the final norm)",
+    "sglang": "id i = output of target layer i (SGLang captures layer i + 1's input)",
+}
+ARCH = "LlamaForCausalLMEagle3"
+
+
+def engine_layer_ids(aux_layers, engine: str) -> list[int]:
+    """Our aux layers (vLLM convention) written in an engine's convention."""
+    return [k - 1 for k in aux_layers] if engine == "sglang" else list(aux_layers)
+
+
+def _config(c: DrafterConfig, engine: str, dtype: str, provenance: dict) -> dict:
+    return {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        **({"eagle_aux_hidden_state_layer_ids": list(c.aux_layers)} if engine == "vllm" else {}),
+        "eagle_config": {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(c.aux_layers, engine),
+            "norm_before_fc": False,
+        },
+        "draftsmith": {
+            "engine": engine,
+            "aux_layer_convention": CONVENTION[engine],
+            "aux_layers_vllm_convention": list(c.aux_layers),
+            **provenance,
+        },
+    }
+
+
+def export(model: Eagle3Drafter, out_dir: Path, *, dtype: str = "bfloat16",
+           provenance: dict | None = None) -> None:
+    """Write out_dir/vllm and out_dir/sglang."""
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if k == "embed_tokens.weight":
+            continue
+        tensors[k] = v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+    with atomic_path(out_dir) as tmp:
+        for engine in ENGINES:
+            d = tmp / engine
+            d.mkdir(parents=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")
+            write_json(d / "config.json", _config(model.config, engine, dtype, provenance or {}))
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def _expected_shapes(c: dict) -> dict[str, tuple]:
+    H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    I, Vd, V, Ht = c["intermediate_size"], c["draft_vocab_size"], c["vocab_size"], c["target_hidden_size"]
+    n_aux = len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    m = "midlayer."
+    return {
+        m + "self_attn.q_proj.weight": (nh * hd, 2 * H),
+        m + "self_attn.k_proj.weight": (nkv * hd, 2 * H),
+        m + "self_attn.v_proj.weight": (nkv * hd, 2 * H),
+        m + "self_attn.o_proj.weight": (H, nh * hd),
+        m + "mlp.gate_proj.weight": (I, H),
+        m + "mlp.up_proj.weight": (I, H),
+        m + "mlp.down_proj.weight": (H, I),
+        m + "input_layernorm.weight": (H,),
+        m + "hidden_norm.weight": (H,),
+        m + "post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "fc.weight": (H, n_aux * Ht),
+        "lm_head.weight": (Vd, H),
+        "d2t": (Vd,),
+        "t2d": (V,),
+    }
+
+
+def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: int,
+             target_vocab_size: int) -> dict:
+    """Check an engine export against the target. Raises DraftsmithError listing every
+    problem; returns a summary when it passes."""
+    export_dir = Path(export_dir)
+    problems: list[str] = []
+    cfg_file, w_file = export_dir / "config.json", export_dir / "model.safetensors"
+    for f in (cfg_file, w_file):
+        if not f.exists():
+            raise DraftsmithError(f"{export_dir}: {f.name} is missing", "re-run the train stage")
+    c = json.loads(cfg_file.read_text())
+    t = load_file(w_file)
+    engine = c.get("draftsmith", {}).get("engine", "vllm")
+
+    if c.get("architectures") != [ARCH]:
+        problems.append(f"architectures is {c.get('architectures')}, engines load [{ARCH!r}]")
+    for key, want in (("vocab_size", target_vocab_size), ("target_hidden_size", target_hidden_size),
+                      ("hidden_size", target_hidden_size)):
+        if c.get(key) != want:
+            problems.append(f"config {key}={c.get(key)} but the target has {want}")
+    ids = c.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing (the engine "
+                        "would fall back to its default layers, not the ones trained on)")
+    else:
+        if engine == "vllm" and c.get("eagle_aux_hidden_state_layer_ids") != ids:
+            problems.append("top-level eagle_aux_hidden_state_layer_ids (what vLLM reads) is "
+                            f"{c.get('eagle_aux_hidden_state_layer_ids')}, eagle_config says {ids}")
+        if engine == "sglang" and ids[0] != 1:
+            problems.append(f"SGLang aux ids {ids} start at {ids[0]}: SGLang versions before "
+                            "and after sglang#25454 read such a list differently (only a first id "
+                            "of 1 is read the same); train with vLLM aux layers starting at 2")
+        trained = c.get("draftsmith", {}).get("aux_layers_vllm_convention")
+        lo = -1 if engine == "sglang" else 0
+        if any(not lo <= k < target_num_layers - (1 if engine == "sglang" else 0) for k in ids):
+            problems.append(f"aux layer ids {ids} out of range for a {target_num_layers}-layer target")
+        if trained is not None and ids != engine_layer_ids(trained, engine):
+            problems.append(
+                f"aux layer ids {ids} do not match the layers trained on "
+                f"({engine_layer_ids(trained, engine)} in {engine}'s convention: "
+                f"{CONVENTION[engine]})")
+
+    if "eagle_config" in c:
+        for name, shape in _expected_shapes(c).items():
+            if name not in t:
+                problems.append(f"tensor {name} is missing"
+                                + (" (without d2t the engine maps draft ids to the first Vd "
+                                   "target ids and acceptance collapses)" if name == "d2t" else ""))
+            elif tuple(t[name].shape) != shape:
+                problems.append(f"tensor {name} has shape {tuple(t[name].shape)}, expected {shape}")
+    floats = {v.dtype for k, v in t.items() if k not in ("d2t", "t2d")}
+    if len(floats) > 1 or not all(d.is_floating_point for d in floats):
+        problems.append(f"weights have mixed or non-float dtypes {sorted(map(str, floats))}")
+    if "d2t" in t and "t2d" in t and t["d2t"].shape == (c.get("draft_vocab_size"),):
+        problems += _check_vocab_map(t["d2t"], t["t2d"])
+    if problems:
+        raise DraftsmithError(f"{export_dir} is not a valid EAGLE-3 export:\n  - "
+                              + "\n  - ".join(problems),
+                              "re-export with `dvc repro train`, or fix the listed keys")
+    return {"engine": engine, "aux_layer_ids": ids, "tensors": len(t),
+            "dtype": str(next(iter(floats)))}
+
+
+def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
+    if d2t.dtype != torch.int64:
+        return [f"d2t has dtype {d2t.dtype}, engines expect int64"]
+    if t2d.dtype != torch.bool:
+        return [f"t2d has dtype {t2d.dtype}, engines expect bool"]
+    target_ids = d2t + torch.arange(len(d2t))
+    if target_ids.min() < 0 or target_ids.max() >= len(t2d) or \
+            not bool(t2d[target_ids.clamp(0, len(t2d) - 1)].all()) or \
+            len(set(target_ids.tolist())) != len(d2t):
+        hint = ""
+        if bool(t2d[d2t.clamp(0, len(t2d) - 1)].all()) and len(set(d2t.tolist())) == len(d2t):
+            hint = " (it holds target ids; engines read OFFSETS: target_id = draft_id + d2t[draft_id])"
+        return ["d2t does not map the draft vocab onto the tokens t2d marks" + hint]
+    if int(t2d.sum()) != len(d2t):
+        return [f"t2d marks {int(t2d.sum())} tokens but the draft vocab has {len(d2t)}"]
+    return []
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load_drafter_weights(model: Eagle3Drafter, path: Path) -> dict:
+    """Initialise `model` from an existing EAGLE-3 drafter (vLLM/SpecForge `midlayer.*` layout
+    or the speculators `layers.0.*` layout), reconciling its draft vocab with ours by target
+    token id. Returns what was reconciled."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise DraftsmithError(f"{path} has no .safetensors drafter weights",
+                              "point train.init at an EAGLE-3 drafter directory")
+    theirs: dict[str, torch.Tensor] = {}
+    for f in files:
+        theirs.update(load_file(f))
+    renamed = {}
+    for k, v in theirs.items():
+        k = k.removeprefix("model.")
+        renamed[k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k] = v
+    mine = model.state_dict()
+    if "t2d" in renamed and renamed["t2d"].shape != mine["t2d"].shape:
+        raise DraftsmithError(
+            f"{path} was trained for a target vocab of {renamed['t2d'].numel()} tokens, this "
+            f"target has {mine['t2d'].numel()}", "init from a drafter of the same target")
+    loaded = {}
+    for k, v in renamed.items():
+        if k in ("d2t", "t2d", "lm_head.weight", "embed_tokens.weight"):
+            continue
+        if k not in mine or mine[k].shape != v.shape:
+            raise DraftsmithError(
+                f"{path}: tensor {k} {tuple(v.shape)} does not fit this drafter "
+                f"({tuple(mine[k].shape) if k in mine else 'no such tensor'})",
+                "init from a drafter of the same target architecture, or use init: copy")
+        loaded[k] = v.to(mine[k].dtype)
+    # lm_head rows follow target token ids: keep the rows of tokens both vocabs share.
+    kept = 0
+    if "lm_head.weight" in renamed and "d2t" in renamed:
+        their_ids = (renamed["d2t"] + torch.arange(len(renamed["d2t"]))).tolist()
+        row_of = {tid: r for r, tid in enumerate(their_ids)}
+        our_ids = (model.d2t + torch.arange(len(model.d2t))).tolist()
+        head = mine["lm_head.weight"].clone()
+        for r, tid in enumerate(our_ids):
+            if tid in row_of:
+                head[r] = renamed["lm_head.weight"][row_of[tid]]
+                kept += 1
+        loaded["lm_head.weight"] = head
+    model.load_state_dict(loaded, strict=False)
+    return {"tensors": len(loaded), "lm_head_rows_reused": kept,
+            "lm_head_rows_fresh": len(model.d2t) - kept}
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def run(cfg, target_dir: Path, drafter_dir: Path, out_dir: Path) -> dict:
+    """Export the trained drafter for both engines and validate each against the target."""
+    from draftsmith.target import read_info
+    from draftsmith.train import CONFIG, WEIGHTS
+
+    info = read_info(target_dir)
+    c = json.loads((Path(drafter_dir) / CONFIG).read_text())
+    c["aux_layers"] = tuple(c["aux_layers"])
+    model = Eagle3Drafter(DrafterConfig(**c))
+    missing, _ = model.load_state_dict(load_file(Path(drafter_dir) / WEIGHTS), strict=False)
+    if missing != ["embed_tokens.weight"]:
+        raise DraftsmithError(f"{drafter_dir} lacks tensors {missing}", "re-run the train stage")
+    export(model, out_dir, dtype=cfg.dtype, provenance={
+        "target": {"model": info.model, "revision": info.revision, "kind": info.kind}})
+    out = {}
+    for engine in ENGINES:
+        summary = validate(Path(out_dir) / engine, target_num_layers=info.num_layers,
+                           target_hidden_size=info.hidden_size, target_vocab_size=info.vocab_size)
+        out[f"{engine}_aux_layer_ids"] = summary["aux_layer_ids"]
+    out["bytes"] = (Path(out_dir) / "vllm" / "model.safetensors").stat().st_size
+    out["dtype"] = cfg.dtype
+    return out

@@ -1,0 +1,60 @@
+"""PNG plots (matplotlib, no network): DVC shows image plots offline, unlike its vega ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.atomic import atomic_path
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_training(curve: list[dict], path: Path) -> None:
+    """Loss and per-step top-1 accuracy against the target over training."""
+    plt = _figure()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    steps = [r["step"] for r in curve]
+    a.plot(steps, [r["loss"] for r in curve])
+    a.set_xlabel("step")
+    a.set_ylabel("weighted TTT loss")
+    for key in [k for k in curve[0] if k.startswith("acc_")]:
+        b.plot(steps, [r[key] for r in curve], label=f"step {key[4:]}")
+    b.set_xlabel("step")
+    b.set_ylabel("top-1 agreement with target")
+    b.set_ylim(0, 1)
+    b.legend(fontsize=7, ncol=2)
+    fig.suptitle("Drafter training")
+    _save(plt, fig, path)
+
+
+def plot_acceptance(results: list[dict], baseline: dict, path: Path) -> None:
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    k = results[0]["k"]
+    width = 0.8 / (len(results) + 1)
+    rows = [(f"T={r['temperature']} (AL {r['acceptance_length']:.2f})", r) for r in results]
+    rows.append((f"random drafter (AL {baseline['acceptance_length']:.2f})", baseline))
+    for i, (label, r) in enumerate(rows):
+        xs = [p + 1 + (i - len(rows) / 2 + 0.5) * width for p in range(k)]
+        ax.bar(xs, r["acceptance_rate_per_position"], width, label=label)
+    ax.set_xticks(range(1, k + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Drafter acceptance per position (held-out prompts)")
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)

@@ -1,0 +1,68 @@
+"""The training-time-test attention matches the inference chain, step by step."""
+
+import pytest
+import torch
+
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter, ttt_attention
+
+
+def drafter(nh=4, nkv=2, seed=0):
+    torch.manual_seed(seed)
+    c = DrafterConfig(hidden_size=32, target_hidden_size=24, num_heads=nh, num_kv_heads=nkv,
+                      head_dim=8, intermediate_size=64, vocab_size=50, draft_vocab_size=20,
+                      aux_layers=(2, 4, 5))
+    m = Eagle3Drafter(c).double()
+    for p in m.parameters():  # far from the identity-ish init, so errors would show
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+@pytest.mark.parametrize("nh, nkv", [(4, 2), (4, 4), (2, 1)])
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_ttt_matches_inference_chain(nh, nkv, steps):
+    m = drafter(nh, nkv)
+    T = 9
+    aux = torch.randn(1, T, 72, dtype=torch.double)
+    ids = torch.randint(0, 50, (1, T + steps))
+    train = m(aux, ids, steps)
+    for t in range(T):
+        chain = m.chain_logits(aux[:, : t + 1], ids, steps)
+        for j in range(steps):
+            torch.testing.assert_close(train[j][0, t], chain[j], rtol=0, atol=1e-10)
+
+
+def slow_ttt_attention(q, k0, v0, ks, vs):
+    """Reference: for every query position, list its keys explicitly and attend."""
+    B, nh, T, hd = q.shape
+    out = torch.zeros_like(q)
+    for t in range(T):
+        keys = torch.cat([k0[:, :, : t + 1], *[k[:, :, t: t + 1] for k in ks]], 2)
+        vals = torch.cat([v0[:, :, : t + 1], *[v[:, :, t: t + 1] for v in vs]], 2)
+        p = torch.softmax(q[:, :, t: t + 1] @ keys.transpose(-1, -2) / hd ** 0.5, -1)
+        out[:, :, t: t + 1] = p @ vals
+    return out
+
+
+@pytest.mark.parametrize("j", [0, 1, 4])
+def test_ttt_attention_pattern(j):
+    torch.manual_seed(1)
+    B, nh, T, hd = 2, 3, 6, 4
+    q, k0, v0 = (torch.randn(B, nh, T, hd, dtype=torch.double) for _ in range(3))
+    ks = [torch.randn(B, nh, T, hd, dtype=torch.double) for _ in range(j)]
+    vs = [torch.randn(B, nh, T, hd, dtype=torch.double) for _ in range(j)]
+    torch.testing.assert_close(ttt_attention(q, k0, v0, ks, vs),
+                               slow_ttt_attention(q, k0, v0, ks, vs), rtol=0, atol=1e-12)
+
+
+def test_padding_does_not_leak_into_real_positions():
+    m = drafter()
+    aux = torch.randn(2, 7, 72, dtype=torch.double)
+    ids = torch.randint(0, 50, (2, 10))
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    padded = m(aux, ids, 3, key_mask=mask)
+    alone = m(aux[1:, :4], ids[1:, :4 + 3], 3)
+    for j in range(3):
+        # Chain t attends to step-0 keys at s <= t only: padding after 4 cannot reach t < 4.
+        for t in range(4):
+            torch.testing.assert_close(padded[j][1, t], alone[j][0, t], rtol=0, atol=1e-10)

@@ -1,0 +1,166 @@
+"""Drafter training on the tiny target's own data, then export and validation."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import export, generate, hidden, tokenization, train, vocab
+from draftsmith.config import (ExportConfig, GenerateConfig, HiddenConfig, TokenizeConfig,
+                               TrainConfig, VocabConfig)
+from draftsmith.errors import DraftsmithError
+from draftsmith.target import read_info
+
+TRAIN = TrainConfig(steps=60, batch_size=8, lr=3e-3, ttt_steps=3, eval_samples=16,
+                    save_every=25, log_every=5, warmup_steps=5)
+
+
+@pytest.fixture(scope="module")
+def data(toy_target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    generate.run(GenerateConfig(num_samples=96, max_new_tokens=96, batch_size=32), toy_target,
+                 d / "raw")
+    tokenization.run(TokenizeConfig(on_format_error="drop"), toy_target, d / "raw", d / "tok")
+    info = read_info(toy_target)
+    vocab.run(VocabConfig(draft_vocab_size=128), d / "tok", info.vocab_size, d / "vocab")
+    hidden.run(HiddenConfig(dtype="float32"), toy_target, d / "tok", d / "hidden")
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(toy_target, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter")
+    metrics = train.run(TRAIN, toy_target, data / "hidden", data / "vocab", out / "drafter",
+                        out / "ckpt", out / "curve.csv")
+    return out, metrics
+
+
+def test_training_beats_random_init(trained):
+    _, m = trained
+    acc, init = m["eval_accuracy"], m["initial_eval_accuracy"]
+    assert len(acc) == 3 and m["eval_positions"] > 100
+    assert acc[0] > init[0] + 0.2, (acc, init)
+    assert acc[0] > 0.4
+
+
+def test_scratch_init_is_a_weak_baseline(toy_target, data, tmp_path):
+    cfg = TRAIN.model_copy(update={"init": "scratch", "steps": 1})
+    m = train.run(cfg, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
+                  tmp_path / "c")
+    assert m["initial_eval_accuracy"][0] < 0.2
+
+
+def test_curve_is_written(trained):
+    out, _ = trained
+    lines = (out / "curve.csv").read_text().splitlines()
+    assert lines[0].startswith("step,loss,acc_0,acc_1,acc_2") and len(lines) > 10
+
+
+def test_resume_from_checkpoint_gives_the_same_drafter(toy_target, data, trained, tmp_path):
+    out, _ = trained
+    # A run "interrupted" after its checkpoint at step 50: copy that checkpoint and resume.
+    shutil.copytree(out / "ckpt", tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 50
+    m = train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
+                  tmp_path / "ckpt")
+    assert m["resumed_from_step"] == 50
+    a = load_file(out / "drafter" / train.WEIGHTS)
+    b = load_file(tmp_path / "d" / train.WEIGHTS)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def exported(toy_target, trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "export"
+    m = export.run(ExportConfig(), toy_target, trained[0] / "drafter", out)
+    return out, m
+
+
+def _target_shape(toy_target):
+    info = read_info(toy_target)
+    return dict(target_num_layers=info.num_layers, target_hidden_size=info.hidden_size,
+                target_vocab_size=info.vocab_size)
+
+
+def test_export_layout_for_both_engines(toy_target, exported):
+    out, m = exported
+    vcfg = json.loads((out / "vllm" / "config.json").read_text())
+    scfg = json.loads((out / "sglang" / "config.json").read_text())
+    assert vcfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    layers = vcfg["eagle_aux_hidden_state_layer_ids"]
+    assert layers == vcfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert scfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert "eagle_aux_hidden_state_layer_ids" not in scfg
+    t = load_file(out / "vllm" / "model.safetensors")
+    assert {"d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight",
+            "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight"} <= set(t)
+    assert "embed_tokens.weight" not in t
+    assert t["fc.weight"].dtype == torch.bfloat16 and t["d2t"].dtype == torch.int64
+    assert m["vllm_aux_layer_ids"] == [2, 3, 4]
+    for engine in ("vllm", "sglang"):
+        export.validate(out / engine, **_target_shape(toy_target))
+
+
+def _corrupt(src, dst, tensors=None, config=None):
+    shutil.copytree(src, dst)
+    if tensors:
+        t = load_file(dst / "model.safetensors")
+        tensors(t)
+        save_file(t, dst / "model.safetensors")
+    if config:
+        c = json.loads((dst / "config.json").read_text())
+        config(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def _ids_not_offsets(t):
+    t["d2t"] = t["d2t"] + torch.arange(len(t["d2t"]))
+
+
+def _wrong_layers(c):
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    c["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+
+
+@pytest.mark.parametrize("name, tensors, config, needle", [
+    ("missing_d2t", lambda t: t.pop("d2t"), None, "tensor d2t is missing"),
+    ("d2t_as_ids", _ids_not_offsets, None, "it holds target ids; engines read OFFSETS"),
+    ("wrong_layers", None, _wrong_layers, "do not match the layers trained on"),
+    ("layers_out_of_range", None,
+     lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 3, 40],
+                        eagle_config={**c["eagle_config"],
+                                      "eagle_aux_hidden_state_layer_ids": [2, 3, 40]}),
+     "out of range"),
+    ("top_level_disagrees", None, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4]),
+     "what vLLM reads"),
+    ("wrong_shape", lambda t: t.update({"fc.weight": t["fc.weight"][:, :-8].contiguous()}), None,
+     "tensor fc.weight has shape"),
+    ("wrong_dtype", lambda t: t.update({"d2t": t["d2t"].to(torch.int32)}), None,
+     "d2t has dtype torch.int32"),
+])
+def test_corrupted_exports_fail_clearly(toy_target, exported, tmp_path, name, tensors, config,
+                                        needle):
+    bad = _corrupt(exported[0] / "vllm", tmp_path / name, tensors, config)
+    with pytest.raises(DraftsmithError) as e:
+        export.validate(bad, **_target_shape(toy_target))
+    assert needle in str(e.value)
+
+
+def test_finetune_from_existing_drafter_in_both_layouts(toy_target, data, exported, tmp_path):
+    src = exported[0] / "vllm"
+    # The speculators layout names the layer `layers.0.` instead of `midlayer.`.
+    spec = tmp_path / "speculators"
+    spec.mkdir()
+    t = load_file(src / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0.", 1): v for k, v in t.items()},
+              spec / "model.safetensors")
+    for path in (src, spec):
+        cfg = TRAIN.model_copy(update={"init": str(path), "steps": 1})
+        m = train.run(cfg, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
+                      tmp_path / f"c{path.name}")
+        # Starting from the trained drafter, accuracy starts high already.
+        assert m["initial_eval_accuracy"][0] > 0.4
