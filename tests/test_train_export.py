@@ -58,14 +58,29 @@ def test_curve_is_written(trained):
     assert lines[0].startswith("step,loss,acc_0,acc_1,acc_2") and len(lines) > 10
 
 
-def test_resume_from_checkpoint_gives_the_same_drafter(toy_target, data, trained, tmp_path):
+def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trained, tmp_path,
+                                                         monkeypatch):
     out, _ = trained
-    # A run "interrupted" after its checkpoint at step 50: copy that checkpoint and resume.
-    shutil.copytree(out / "ckpt", tmp_path / "ckpt")
+    calls = []
+    real = train.evaluate
+
+    def interrupted(*args, **kwargs):  # the initial eval runs; the final one is "Ctrl-C"
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
+                  tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert not (tmp_path / "d").exists()  # nothing half-written
     assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 50
     m = train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
                   tmp_path / "ckpt")
     assert m["resumed_from_step"] == 50
+    assert not (tmp_path / "ckpt").exists()  # finished: the resume point is cleared
     a = load_file(out / "drafter" / train.WEIGHTS)
     b = load_file(tmp_path / "d" / train.WEIGHTS)
     for k in a:

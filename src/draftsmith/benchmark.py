@@ -30,18 +30,21 @@ def held_out_prompts(cfg: BenchmarkConfig, raw_dir: Path):
     else:
         candidates = load_prompts(cfg.source, split=cfg.split, fmt="auto", column=None,
                                   limit=cfg.num_prompts * 3, seed=cfg.seed)
-    prompts, seen = [], set()
+    prompts, seen, excluded = [], set(), 0
     for p in candidates:
-        if p.id not in train_ids and p.id not in seen:
+        if len(prompts) == cfg.num_prompts:
+            break
+        if p.id in train_ids:
+            excluded += 1  # a training prompt: never benchmarked on
+        elif p.id not in seen:
             seen.add(p.id)
             prompts.append(p)
-    prompts = prompts[: cfg.num_prompts]
     if len(prompts) < cfg.num_prompts:
         raise DraftsmithError(
             f"only {len(prompts)} benchmark prompts are not in the training data "
             f"({cfg.num_prompts} asked)", "lower benchmark.num_prompts or use another source")
     assert not {p.id for p in prompts} & train_ids  # the held-out guarantee, checked
-    return prompts, len(candidates) - len(prompts)
+    return prompts, excluded
 
 
 def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_id, temperature,

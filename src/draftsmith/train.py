@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,6 +303,7 @@ def train(cfg: TrainConfig, target_model, hidden_dir: Path, vocab_dir: Path, out
         save_file({k: v.contiguous() for k, v in model.state_dict().items()
                    if k != "embed_tokens.weight"}, tmp / WEIGHTS)
         write_json(tmp / CONFIG, model.config.to_dict())
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # done: nothing left to resume
     if curve_file:
         _write_curve(curve_file, curve)
     if plot_file:
