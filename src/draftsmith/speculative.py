@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.drafter import ttt_attention
 from draftsmith.hidden import capture
 
 
@@ -78,8 +79,6 @@ class Eagle3Proposer:
         h = d.fc(aux[None].to(d.fc.weight.dtype))
         x = d.midlayer.inputs(d.embed_tokens(torch.tensor([tokens])), h)
         q_, k0, v0 = attn.qkv(x, torch.arange(n - 1))
-        from draftsmith.drafter import ttt_attention
-
         h = d.midlayer.finish(ttt_attention(q_, k0, v0, [], []), h)[:, -1:]
         ks, vs = [], []
         for j in range(k):

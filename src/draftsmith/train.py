@@ -69,7 +69,7 @@ class HiddenData:
         return (t["aux"][a:b], t["final"][a:b], t["input_ids"][a:b].long(),
                 t["loss_mask"][a:b].bool())
 
-    def _members(self, held_out: bool) -> list[tuple[int, int]]:
+    def members(self, held_out: bool) -> list[tuple[int, int]]:
         return [(s, k) for s, shard in enumerate(self.shards) for k, i in enumerate(shard["ids"])
                 if (i in self.eval_ids) == held_out]
 
@@ -78,7 +78,7 @@ class HiddenData:
         length then shuffled. A function of (seed, epoch) only, so resuming replays it."""
         rng = random.Random(seed * 100_003 + epoch)
         by_shard: dict[int, list[int]] = {}
-        for s, k in self._members(False):
+        for s, k in self.members(False):
             by_shard.setdefault(s, []).append(k)
         out = []
         for s in rng.sample(sorted(by_shard), len(by_shard)):
@@ -92,7 +92,7 @@ class HiddenData:
         return out
 
     def eval_batches(self, batch_size: int):
-        members = self._members(True)
+        members = self.members(True)
         return [members[i:i + batch_size] for i in range(0, len(members), batch_size)]
 
     def batch(self, members) -> Batch:
@@ -254,7 +254,7 @@ def train(cfg: TrainConfig, target_model, hidden_dir: Path, vocab_dir: Path, out
     d2t, t2d = load_vocab(vocab_dir)
     aux_layers = read_manifest(hidden_dir)["aux_layers"]
     data = HiddenData(hidden_dir, cfg.eval_samples)
-    if cfg.steps < 1 or not data._members(False):
+    if cfg.steps < 1 or not data.members(False):
         raise DraftsmithError("no training samples", "lower train.eval_samples or add data")
     head = target_model.get_output_embeddings().weight.detach().float()
     draft_ids = draft_ids_from_d2t(d2t)
