@@ -186,32 +186,38 @@ class Eagle3Drafter(nn.Module):
         return out
 
     @torch.no_grad()
-    def chain_logits(self, aux, next_ids, steps: int):
-        """Inference path for one sequence (B = 1): prefill over aux[:, :n] with tokens
-        next_ids[:, :n], then draft from the LAST position, feeding next_ids[:, n - 1 + j] at
-        step j. Returns a list of (Vd,) logits, one per step. Slow; the reference for tests and
-        the engine's building block."""
+    def chain(self, aux, tokens, steps: int, next_token):
+        """Inference path for one sequence (B = 1), as an engine runs it: prefill over the n
+        positions of aux (1, n, 3Ht), each paired with tokens[:, i] (the token after position
+        i), then `steps` chained steps from the last position. After step j's logits,
+        next_token(j, logits) gives the target-vocab token fed to step j + 1.
+        Returns the list of (Vd,) logits, one per step."""
         n = aux.shape[1]
         attn = self.midlayer.self_attn
         h = self.fc(aux)
-        x = self.midlayer.inputs(self.embed_tokens(next_ids[:, :n]), h)
+        x = self.midlayer.inputs(self.embed_tokens(tokens), h)
         q, k0, v0 = attn.qkv(x, torch.arange(n))
         h = self.midlayer.finish(ttt_attention(q, k0, v0, [], []), h)[:, -1:]
         out = [self.logits(h)[0, -1]]
         ks, vs = [], []
         for j in range(1, steps):
-            x = self.midlayer.inputs(self.embed_tokens(next_ids[:, n - 1 + j: n + j]), h)
-            q, k, v = attn.qkv(x, torch.tensor([n - 1 + j]))
+            tok = torch.tensor([[next_token(j - 1, out[-1])]])
+            q, k, v = attn.qkv(self.midlayer.inputs(self.embed_tokens(tok), h),
+                               torch.tensor([n - 1 + j]))
             ks.append(k)
             vs.append(v)
             # The chain's query sees all n prefill keys plus its own keys (one position each).
-            s_prefix = q @ k0.transpose(-1, -2) / math.sqrt(q.shape[-1])
-            s_own = torch.cat([q @ kk.transpose(-1, -2) for kk in ks], -1) / math.sqrt(q.shape[-1])
-            p = torch.softmax(torch.cat([s_prefix, s_own], -1), -1)
-            a = p[..., :n] @ v0 + p[..., n:] @ torch.cat(vs, -2)
-            h = self.midlayer.finish(a, h)
+            keys, vals = torch.cat([k0, *ks], 2), torch.cat([v0, *vs], 2)
+            p = torch.softmax(q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
+            h = self.midlayer.finish(p @ vals, h)
             out.append(self.logits(h)[0, -1])
         return out
+
+    def chain_logits(self, aux, next_ids, steps: int):
+        """The chain with teacher-forced tokens, laid out as for `forward`: the reference the
+        tests hold the training path to."""
+        n = aux.shape[1]
+        return self.chain(aux, next_ids[:, :n], steps, lambda j, _: int(next_ids[0, n + j]))
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]

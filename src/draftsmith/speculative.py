@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.drafter import ttt_attention
 from draftsmith.hidden import capture
 
 
@@ -68,39 +67,22 @@ class Eagle3Proposer:
 
     @torch.no_grad()
     def propose(self, aux, ids, k: int, temperature: float, gen: torch.Generator):
-        """aux: (n-1, 3H) for positions 0..n-2 of ids (n tokens, the last one unverified by the
-        drafter yet). Returns k target-vocab token ids and, when sampling, their q rows
-        (k, V) over the target vocab."""
+        """aux: (n-1, 3H) for positions 0..n-2 of ids (n tokens). Returns k target-vocab token
+        ids and, when sampling, their q rows (k, V) over the target vocab."""
         d = self.drafter
-        n = len(ids)
-        tokens = ids[1:].tolist()  # position i pairs aux_i with token i+1
         drafts, qs = [], []
-        attn = d.midlayer.self_attn
-        h = d.fc(aux[None].to(d.fc.weight.dtype))
-        x = d.midlayer.inputs(d.embed_tokens(torch.tensor([tokens])), h)
-        q_, k0, v0 = attn.qkv(x, torch.arange(n - 1))
-        h = d.midlayer.finish(ttt_attention(q_, k0, v0, [], []), h)[:, -1:]
-        ks, vs = [], []
-        for j in range(k):
-            logits = d.logits(h)[0, -1]
+
+        def pick(_j, logits):
             tok, q = _pick(logits, temperature, gen)
-            target_tok = int(self.draft_ids[tok])
-            drafts.append(target_tok)
+            drafts.append(int(self.draft_ids[tok]))
             if q is not None:
                 full = torch.zeros(d.config.vocab_size, dtype=q.dtype)
                 full[self.draft_ids] = q
                 qs.append(full)
-            if j == k - 1:
-                break
-            pos = torch.tensor([n - 1 + j])
-            x = d.midlayer.inputs(d.embed_tokens(torch.tensor([[target_tok]])), h)
-            qq, kk, vv = attn.qkv(x, pos)
-            ks.append(kk)
-            vs.append(vv)
-            keys = torch.cat([k0, *ks], 2)
-            vals = torch.cat([v0, *vs], 2)
-            p = torch.softmax(qq @ keys.transpose(-1, -2) / qq.shape[-1] ** 0.5, -1)
-            h = d.midlayer.finish(p @ vals, h)
+            return drafts[-1]
+
+        logits = d.chain(aux[None].to(d.fc.weight.dtype), ids[None, 1:], k, pick)
+        pick(k - 1, logits[-1])  # the last step's draft (the chain only asks for k - 1)
         return drafts, (torch.stack(qs) if qs else None)
 
 
