@@ -62,6 +62,8 @@ def test_wrong_type_names_key_and_value(tmp_path):
     ({"target": {"embedded": {"hidden_size": 100, "num_heads": 3}}}, "multiple of num_heads"),
     ({"generate": {"source": "no/such/file.jsonl"}}, "does not exist"),
     ({"generate": {"max_new_tokens": 400}}, "leaves no room"),
+    ({"benchmark": {"num_speculative_tokens": 0}}, "benchmark.num_speculative_tokens"),
+    ({"train": {"init": "no/such/drafter"}}, "neither 'copy', 'scratch' nor an existing"),
 ])
 def test_impossible_values_fail_before_work(tmp_path, params, needle):
     with pytest.raises(ConfigError) as e:
