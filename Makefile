@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install repro test clean
+.PHONY: install repro test check-lock clean
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -21,6 +21,10 @@ repro: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# Cheap freshness check: fails when dvc.lock does not match the code and params.
+check-lock: install
+	.ci/check-lock
 
 clean:
 	rm -rf $(VENV) .pytest_cache

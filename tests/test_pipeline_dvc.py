@@ -73,6 +73,24 @@ def test_train_param_reruns_only_train_and_what_follows(repo):
     assert ran(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
 
 
+def test_lock_check_catches_a_stale_lock(repo):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    check = [str(REPO / ".ci" / "check-lock"), str(repo)]
+    ok = subprocess.run(check, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    set_params(repo, {"train": {"lr": 1e-3}})
+    stale = subprocess.run(check, env=env, capture_output=True, text=True)
+    assert stale.returncode == 1 and "train" in stale.stdout and "dvc.lock is stale" in stale.stderr
+    set_params(repo, {"train": {"lr": 2e-3}})
+
+
 def test_plots_render_without_network(repo, tmp_path):
     dvc("plots", "show", "-o", str(tmp_path / "plots"), cwd=repo)
     html = (tmp_path / "plots" / "index.html").read_text()
