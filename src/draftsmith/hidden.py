@@ -126,8 +126,8 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
             f.unlink()  # a different run's shards: start clean
         write_json(resume, {"key": key})
     shards, reused, tokens = [], 0, 0
-    n_samples = json.loads((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_text())
-    total = sum(len(s["ids"]) for s in n_samples["shards"])
+    tokenized = json.loads((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_text())
+    total = sum(len(s["ids"]) for s in tokenized["shards"])
     bar = tqdm(total=total, desc="hidden", unit="sample")
     for s, group in enumerate(_groups(tokenized_dir, cfg.shard_samples)):
         name = f"hidden-{s:05d}.safetensors"

@@ -8,6 +8,7 @@ runs on every sample before anything is written.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -123,8 +124,6 @@ def _write_shards(kept, shard_size: int, out_dir: Path, tokenizer_vocab: int) ->
 
 def iter_samples(tokenized_dir: Path):
     """Yield (sample_id, input_ids, loss_mask) tensors from a tokenized artifact."""
-    import json
-
     manifest = json.loads((Path(tokenized_dir) / MANIFEST).read_text())
     for shard in manifest["shards"]:
         t = load_file(Path(tokenized_dir) / shard["file"])
