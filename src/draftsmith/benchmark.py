@@ -3,6 +3,10 @@
 Held out means: prompts whose stable ids never occur in the generated training data (checked,
 not assumed). The same prompts run with a randomly initialised drafter of the same shape, so the
 metric visibly measures the drafter rather than the prompts.
+
+Engines: `reference` (speculative.py, in this process, exact by construction) and `vllm` (the
+exported drafter served by a real vLLM, acceptance read from its `/metrics` counters). Both
+run on the same prompts and k, so their figures compare directly.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.atomic import read_jsonl
-from draftsmith.config import BenchmarkConfig
+from draftsmith.config import BenchmarkConfig, ServerConfig
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.generate import SAMPLES_FILE
@@ -73,7 +77,52 @@ def random_drafter(trained: Eagle3Drafter, seed: int) -> Eagle3Drafter:
 
 
 def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path,
-        plot_file: Path | None = None) -> dict:
+        plot_file: Path | None = None, *, export_dir: Path | None = None,
+        server: ServerConfig | None = None, work_dir: Path | None = None) -> dict:
+    """Measure acceptance with each engine in `cfg.engines` on the same held-out prompts.
+    The top-level keys are the first engine's; `by_engine` holds every engine's."""
+    from draftsmith.target import read_info
+
+    info = read_info(target_dir)
+    prompts, excluded = held_out_prompts(cfg, raw_dir)
+    if "vllm" in cfg.engines:
+        _check_vllm_setup(server or ServerConfig(), export_dir)
+    by_engine, baseline = {}, None
+    for engine in cfg.engines:
+        if engine == "reference":
+            results, baseline = reference_acceptance(cfg, target_dir, drafter_dir, prompts)
+        else:
+            results, _ = vllm_acceptance(cfg, server or ServerConfig(), target_dir,
+                                         Path(export_dir) / "vllm", prompts,
+                                         Path(work_dir or "data/benchmark.work"))
+        by_engine[engine] = results
+    if plot_file:
+        from draftsmith.plots import plot_acceptance
+
+        plot_acceptance(by_engine, baseline, plot_file)
+    first = by_engine[cfg.engines[0]]
+    greedy = next((r for r in first if r["temperature"] == 0), first[0])
+    metrics = {
+        "acceptance_length": greedy["acceptance_length"],
+        "acceptance_rate_per_position": greedy["acceptance_rate_per_position"],
+        "k": cfg.num_speculative_tokens,
+        "samples": len(prompts),
+        "excluded_training_prompts": excluded,
+        "engine": cfg.engines[0],
+        "results": first,
+        # One row per engine and temperature: what `dvc metrics show` puts side by side.
+        "by_engine": {e: {f"T{r['temperature']}": r["acceptance_length"] for r in rs}
+                      for e, rs in by_engine.items()},
+        "target": info.model,
+    }
+    if baseline:
+        metrics["random_drafter_acceptance_length"] = baseline["acceptance_length"]
+    return metrics
+
+
+def reference_acceptance(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, prompts
+                         ) -> tuple[list[dict], dict]:
+    """The reference engine (speculative.py) at each temperature, plus a random drafter."""
     from draftsmith.target import load_model, load_tokenizer, read_info
     from draftsmith.train import load_trained
 
@@ -82,7 +131,6 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
     model = load_model(target_dir, device="cpu").float()
     drafter = load_trained(drafter_dir, model)
     aux_layers = list(drafter.config.aux_layers)
-    prompts, excluded = held_out_prompts(cfg, raw_dir)
     prompt_ids = [tokenizer(prompt_text(tokenizer, p.messages, cfg.thinking),
                             add_special_tokens=False)["input_ids"] for p in prompts]
     eos = tokenizer.convert_tokens_to_ids(info.format.end_of_turn)
@@ -96,18 +144,50 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
         results.append({"temperature": temp, **summary, "wall_s": round(time.time() - t0, 1)})
     baseline, _ = measure(model, Eagle3Proposer(random_drafter(drafter, cfg.seed)), prompt_ids,
                           temperature=0.0, desc="benchmark random drafter", **common)
-    if plot_file:
-        from draftsmith.plots import plot_acceptance
+    return results, baseline
 
-        plot_acceptance(results, baseline, plot_file)
-    greedy = next((r for r in results if r["temperature"] == 0), results[0])
-    return {
-        "acceptance_length": greedy["acceptance_length"],
-        "acceptance_rate_per_position": greedy["acceptance_rate_per_position"],
-        "k": cfg.num_speculative_tokens,
-        "samples": len(prompts),
-        "excluded_training_prompts": excluded,
-        "engine": "reference",
-        "results": results,
-        "random_drafter_acceptance_length": baseline["acceptance_length"],
-    }
+
+def _check_vllm_setup(server: ServerConfig, export_dir: Path | None) -> None:
+    if server.engine != "vllm":
+        raise DraftsmithError(
+            f"benchmark.engines lists 'vllm' but server.engine is '{server.engine}'",
+            "set server.engine: vllm (SGLang cannot be benchmarked here; see the README)")
+    if export_dir is None or not (Path(export_dir) / "vllm" / "config.json").exists():
+        raise DraftsmithError(f"no vLLM export under {export_dir}",
+                              "run the export stage first (`dvc repro export`)")
+
+
+def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path,
+                    draft_dir: Path, prompts, work_dir: Path) -> tuple[list[dict], dict]:
+    """Serve the target with the exported drafter in vLLM, send the prompts at each
+    temperature, and read acceptance from vLLM's counters. Returns the per-temperature
+    results and the completions ({temperature: {prompt id: text}})."""
+    from draftsmith.serving.acceptance import Counters
+    from draftsmith.serving.client import ChatClient, ChatRequest
+    from draftsmith.serving.server import serve_target, speculative_args
+    from draftsmith.target import read_info
+
+    k = cfg.num_speculative_tokens
+    fmt = read_info(target_dir).format
+    results, texts = [], {}
+    with serve_target(server, target_dir, work_dir, seed=cfg.seed, launch=True,
+                      extra=speculative_args("vllm", draft_dir, k)) as urls:
+        client = ChatClient(server, urls, fmt)
+        try:
+            for temp in cfg.temperatures:
+                body = {"max_tokens": cfg.max_new_tokens, "temperature": temp,
+                        "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
+                reqs = [ChatRequest(p.id, p.messages, {**body, "seed": cfg.seed + i})
+                        for i, p in enumerate(prompts)]
+                t0, before = time.time(), Counters.scrape(urls[0], k)
+                outs = {r.id: o for r, o in tqdm(client.stream(reqs), total=len(reqs),
+                                                 desc=f"vllm T={temp}", unit="prompt")}
+                wall = time.time() - t0
+                summary = (Counters.scrape(urls[0], k) - before).summary()
+                tokens = sum(o.num_tokens for o in outs.values())
+                results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
+                                "tokens_per_s": round(tokens / wall, 1)})
+                texts[temp] = {i: o.text for i, o in outs.items()}
+        finally:
+            client.close()
+    return results, texts

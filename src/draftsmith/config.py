@@ -77,7 +77,7 @@ class GenerateConfig(_Section):
     max_new_tokens: int = Field(160, ge=1)
     thinking: bool = True
     batch_size: int = Field(64, ge=1)
-    backend: Literal["inprocess"] = "inprocess"
+    backend: Literal["inprocess", "openai"] = "inprocess"
 
     @model_validator(mode="after")
     def _source_exists(self):
@@ -90,6 +90,37 @@ class GenerateConfig(_Section):
             )
         if not self.source.endswith((".jsonl", ".json", ".parquet")):
             raise ValueError(f"source '{self.source}' must be a .jsonl, .json or .parquet file")
+        return self
+
+
+class ServerConfig(_Section):
+    """An OpenAI-compatible server: the `openai` generate backend and the `vllm` benchmark
+    engine use it. Not a dependency of any stage's output (where answers come from is not
+    part of what they are), so changing it reruns nothing."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    urls: list[str] = []
+    launch: bool = False
+    command: str | None = None
+    extra_args: str = ""
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    startup_timeout_s: float = Field(900, gt=0)
+    model: str | None = None
+    api_key_env: str | None = "OPENAI_API_KEY"
+    concurrency: int = Field(32, ge=1)
+    request_timeout_s: float = Field(600, gt=0)
+    max_retries: int = Field(5, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _where(self):
+        if self.command is not None and "{model}" not in self.command:
+            raise ValueError(f"command '{self.command}' must contain {{model}} (the target's path)")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"url '{url}' must start with http:// or https:// "
+                                 "(e.g. http://127.0.0.1:8000/v1)")
         return self
 
 
@@ -148,6 +179,7 @@ class BenchmarkConfig(_Section):
     max_new_tokens: int = Field(160, ge=1)
     thinking: bool = True
     seed: int = 0
+    engines: list[Literal["reference", "vllm"]] = Field(["reference"], min_length=1)
 
     @model_validator(mode="after")
     def _temps(self):
@@ -163,6 +195,7 @@ class ExportConfig(_Section):
 class Config(_Section):
     target: TargetConfig = TargetConfig()
     generate: GenerateConfig = GenerateConfig()
+    server: ServerConfig = ServerConfig()
     tokenize: TokenizeConfig = TokenizeConfig()
     vocab: VocabConfig = VocabConfig()
     hidden: HiddenConfig = HiddenConfig()
@@ -249,6 +282,11 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
 
 def check_static(cfg: Config) -> None:
     """Cross-section checks that need no artifact (the embedded target's shape is known)."""
+    if cfg.generate.backend == "openai" and not (cfg.server.urls or cfg.server.launch):
+        raise ConfigError(
+            "generate.backend is 'openai' but no server is given",
+            "set server.urls to running OpenAI-compatible servers (e.g. "
+            "[http://127.0.0.1:8000/v1]), or server.launch: true to start one on the target")
     emb = cfg.target.embedded
     if cfg.target.is_embedded:
         needed = cfg.generate.max_new_tokens + 96

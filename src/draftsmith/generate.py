@@ -2,24 +2,34 @@
 
 Each record in `samples.jsonl` is keyed by the prompt's stable id and carries the messages,
 the parsed reasoning and content, the raw completion (special tokens kept, when the backend
-has it), the finish reason and token counts. The backend sits behind `complete_prompts` so a
-server backend can replace the in-process one without changing the records.
+has it), the finish reason and token counts. Two backends produce the same records: the
+target run in this process (`inprocess`) and OpenAI-compatible servers (`openai`: vLLM,
+SGLang), given by URL or launched on the target for the stage's duration.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from draftsmith.atomic import write_jsonl
-from draftsmith.config import GenerateConfig
+from draftsmith.config import GenerateConfig, ServerConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.inprocess import complete
+from draftsmith.inprocess import Completion, complete_iter
+from draftsmith.journal import Journal
 from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.render import prompt_text
+from draftsmith.serving.client import ChatClient, ChatRequest
+from draftsmith.serving.server import serve_target
 from draftsmith.target import load_model, load_tokenizer, read_info
 
 SAMPLES_FILE = "samples.jsonl"
+JOURNAL_FILE = "journal.jsonl"  # finished samples of an unfinished run, in the work dir
 
 
 def _record(p: Prompt, fmt, out, thinking: bool, prompt_tokens: int) -> dict:
@@ -34,8 +44,12 @@ def _record(p: Prompt, fmt, out, thinking: bool, prompt_tokens: int) -> dict:
     }
 
 
-def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path) -> dict:
-    """Write out_dir/samples.jsonl and return the stage's metrics."""
+def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConfig | None = None,
+        work_dir: Path | None = None) -> dict:
+    """Write out_dir/samples.jsonl and return the stage's metrics.
+
+    Finished samples go to a journal in `work_dir` as they complete; a rerun after an
+    interruption (a killed stage, a crashed server) only asks for the missing ones."""
     info = read_info(target_dir)
     fmt = info.format
     if cfg.thinking and not fmt.supports_reasoning:
@@ -51,18 +65,80 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path) -> dict:
             "distinct prompts", f"set generate.num_samples <= {len(prompts)}")
 
     tokenizer = load_tokenizer(target_dir)
-    model = load_model(target_dir)
-    texts = [prompt_text(tokenizer, p.messages, cfg.thinking) for p in prompts]
-    eos = tokenizer.convert_tokens_to_ids(fmt.end_of_turn)
-    t0 = time.time()
-    outs = complete(model, tokenizer, texts, eos_token_id=eos, max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                    batch_size=cfg.batch_size, progress="generate")
-    seconds = time.time() - t0
-    prompt_lens = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    records = [_record(p, fmt, o, cfg.thinking, n) for p, o, n in zip(prompts, outs, prompt_lens)]
+    texts = {p.id: prompt_text(tokenizer, p.messages, cfg.thinking) for p in prompts}
+    work_dir = Path(work_dir or Path(out_dir).parent / f"{Path(out_dir).name}.work")
+    journal = Journal(work_dir / JOURNAL_FILE, _journal_key(cfg, info, prompts))
+    done = journal.load()
+    todo = [p for p in prompts if p.id not in done]
+    if done:
+        print(f"generate: resuming, {len(done)} of {len(prompts)} samples already done")
+    journal.open(done)
+    clock, new_tokens = {"start": time.time()}, 0
+    try:
+        for p, out in _backend(cfg, server, info, target_dir, tokenizer, todo, texts, work_dir,
+                               clock):
+            n = len(tokenizer(texts[p.id], add_special_tokens=False)["input_ids"])
+            journal.append(_record(p, fmt, out, cfg.thinking, n))
+            new_tokens += out.num_tokens
+    finally:
+        journal.close()
+    seconds = time.time() - clock["start"]  # generation only: no model load, no server start
+    done = journal.load()
+    records = [done[p.id] for p in prompts]  # prompt order, each id exactly once
     write_jsonl(Path(out_dir) / SAMPLES_FILE, records)
-    return summarize(records, seconds)
+    journal.remove()
+    metrics = summarize(records, seconds)
+    metrics.update(backend=cfg.backend, resumed_samples=len(prompts) - len(todo),
+                   tokens_per_s=round(new_tokens / seconds, 1) if todo and seconds > 0 else None)
+    return metrics
+
+
+def _journal_key(cfg: GenerateConfig, info, prompts: list[Prompt]) -> str:
+    """What the records depend on: the target, the sampling settings and the prompts (not
+    the backend, its batch size or its servers)."""
+    what = cfg.model_dump(exclude={"backend", "batch_size"})
+    h = hashlib.sha256(json.dumps([what, info.revision, [p.id for p in prompts]],
+                                  sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _backend(cfg: GenerateConfig, server: ServerConfig | None, info, target_dir: Path,
+             tokenizer, todo: list[Prompt], texts: dict, work_dir: Path, clock: dict
+             ) -> Iterator[tuple[Prompt, Completion]]:
+    """Completions of `todo`, in any order, from the configured backend. Sets
+    clock["start"] when generation itself begins."""
+    if not todo:
+        return
+    if cfg.backend == "inprocess":
+        model = load_model(target_dir)
+        eos = tokenizer.convert_tokens_to_ids(info.format.end_of_turn)
+        clock["start"] = time.time()
+        for i, out in complete_iter(model, tokenizer, [texts[p.id] for p in todo],
+                                    eos_token_id=eos, max_new_tokens=cfg.max_new_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                                    batch_size=cfg.batch_size, progress="generate"):
+            yield todo[i], out
+        return
+    server = server or ServerConfig()
+    by_id = {p.id: p for p in todo}
+    with serve_target(server, target_dir, work_dir, seed=cfg.seed) as urls:
+        client = ChatClient(server, urls, info.format)
+        requests = [ChatRequest(p.id, p.messages, _sampling(cfg, p.id)) for p in todo]
+        clock["start"] = time.time()
+        try:
+            for req, out in tqdm(client.stream(requests), total=len(requests), desc="generate",
+                                 unit="sample"):
+                yield by_id[req.id], out
+        finally:
+            client.close()
+
+
+def _sampling(cfg: GenerateConfig, sample_id: str) -> dict:
+    # A seed per sample (from its id, not its position) keeps sampled answers the same
+    # whatever the order, concurrency or number of servers.
+    return {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "seed": (cfg.seed * 1_000_003 + int(sample_id[:8], 16)) % 2**31,
+            "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
 
 
 def summarize(records: list[dict], seconds: float, errors: int = 0) -> dict:

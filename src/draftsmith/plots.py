@@ -41,13 +41,17 @@ def plot_training(curve: list[dict], path: Path) -> None:
     _save(plt, fig, path)
 
 
-def plot_acceptance(results: list[dict], baseline: dict, path: Path) -> None:
+def plot_acceptance(by_engine: dict[str, list[dict]], baseline: dict | None, path: Path) -> None:
+    """Acceptance rate per draft position: each engine at each temperature, and the random
+    drafter (what acceptance looks like when the drafter knows nothing)."""
     plt = _figure()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    k = results[0]["k"]
-    width = 0.8 / (len(results) + 1)
-    rows = [(f"T={r['temperature']} (AL {r['acceptance_length']:.2f})", r) for r in results]
-    rows.append((f"random drafter (AL {baseline['acceptance_length']:.2f})", baseline))
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    rows = [(f"{e} T={r['temperature']} (AL {r['acceptance_length']:.2f})", r)
+            for e, results in by_engine.items() for r in results]
+    if baseline:
+        rows.append((f"random drafter (AL {baseline['acceptance_length']:.2f})", baseline))
+    k = rows[0][1]["k"]
+    width = 0.8 / len(rows)
     for i, (label, r) in enumerate(rows):
         xs = [p + 1 + (i - len(rows) / 2 + 0.5) * width for p in range(k)]
         ax.bar(xs, r["acceptance_rate_per_position"], width, label=label)
@@ -56,5 +60,5 @@ def plot_acceptance(results: list[dict], baseline: dict, path: Path) -> None:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
     ax.set_title("Drafter acceptance per position (held-out prompts)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     _save(plt, fig, path)

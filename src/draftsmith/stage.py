@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +26,9 @@ def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
         parser.add_argument(f"--{p}", required=True, type=Path)
     parser.add_argument("--metrics", type=Path, help="write the stage's metrics JSON here")
     args = parser.parse_args()
+    # `kill` (and schedulers' preemption) sends SIGTERM: unwind like Ctrl-C so a launched
+    # server is stopped and no half-written artifact is left.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         cfg = load_config(args.params, args.set)
         t0 = time.time()

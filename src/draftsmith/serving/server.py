@@ -1,0 +1,177 @@
+"""A server the pipeline starts itself: launched on the target, bound to 127.0.0.1 unless
+configured, healthy within a bound, and always stopped when the stage ends (so the accelerator
+is free for the next stage, which the seed story had to do by hand).
+
+`server_argv` turns `server:` in params.yaml into an engine's command line: the configured
+launcher (`vllm serve {model}` by default) followed by the arguments every run needs.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from draftsmith.config import ServerConfig
+from draftsmith.errors import DraftsmithError
+
+DEFAULT_COMMANDS = {
+    "vllm": "vllm serve {model}",
+    "sglang": "python -m sglang.launch_server --model-path {model}",
+}
+# vLLM's reasoning parsers for our chat formats (None: the format has no reasoning).
+REASONING_PARSERS = {"qwen3": "qwen3", "deepseek-r1": "deepseek_r1", "chatml": None, "llama3": None}
+
+
+def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
+    """Arguments that make the engine draft with an exported EAGLE-3 drafter, k tokens a step."""
+    if engine == "vllm":
+        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        return ["--speculative-config", json.dumps(spec)]
+    # SGLang: a chain of k steps is topk 1 with k + 1 tokens verified (the bonus included).
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]
+
+
+def server_argv(cfg: ServerConfig, *, model_dir: Path, served_name: str, port: int, dtype: str,
+                seed: int, chat_format: str, extra: list[str] = ()) -> list[str]:
+    command = cfg.command or DEFAULT_COMMANDS[cfg.engine]
+    argv = shlex.split(command.format(model=shlex.quote(str(model_dir))))
+    argv += ["--host", cfg.host, "--port", str(port), "--served-model-name", served_name,
+             "--dtype", dtype, "--seed" if cfg.engine == "vllm" else "--random-seed", str(seed)]
+    parser = REASONING_PARSERS.get(chat_format)
+    # vLLM's parser returns the thinking verbatim in `message.reasoning` (checked against
+    # in-process generation in test_vllm.py). SGLang's parser stripped whitespace around it in
+    # 0.5.x releases (parser/reasoning_parser.py), which would lose the exact emitted text, so a
+    # launched SGLang gets none: the thinking then stays inline in `content`, verbatim.
+    if parser and cfg.engine == "vllm":
+        argv += ["--reasoning-parser", parser]
+    return argv + list(extra) + shlex.split(cfg.extra_args)
+
+
+@contextmanager
+def serve_target(cfg: ServerConfig, target_dir: Path, log_dir: Path, *, seed: int,
+                 extra: list[str] = (), launch: bool | None = None) -> Iterator[list[str]]:
+    """Base URLs serving the target: `server.urls` as given, or (with `server.launch`, or
+    `launch=True`) one server started on the target here and stopped on exit."""
+    if not (cfg.launch if launch is None else launch):
+        yield list(cfg.urls)
+        return
+    from draftsmith.target import read_info
+
+    info = read_info(target_dir)
+    port = cfg.port or free_port(cfg.host)
+    argv = server_argv(cfg, model_dir=info.model_dir(target_dir), served_name=info.model,
+                       port=port, dtype=info.dtype, seed=seed, chat_format=info.chat_format,
+                       extra=[*(["--trust-remote-code"] if info.trust_remote_code else []), *extra])
+    server = ManagedServer(argv, host=cfg.host, port=port, log_file=Path(log_dir) / "server.log",
+                           startup_timeout_s=cfg.startup_timeout_s)
+    print(f"starting {cfg.engine} on {server.url} (log: {server.log_file})")
+    with server:
+        print(f"{cfg.engine} healthy after {server.startup_s} s")
+        yield [server.url]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ManagedServer:
+    """`with ManagedServer(argv, ...) as url:` starts the server, waits for `/health` and stops
+    it (the whole process group) on exit, even when the body raises or is interrupted."""
+
+    startups: list[float] = []  # seconds to healthy of every start in this process (reports)
+
+    def __init__(self, argv: list[str], *, host: str, port: int, log_file: Path,
+                 startup_timeout_s: float, env: dict | None = None):
+        self.argv, self.host, self.port = argv, host, port
+        self.log_file, self.timeout, self.env = Path(log_file), startup_timeout_s, env
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def __enter__(self) -> str:
+        self.start()
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._leftovers = set(glob.glob("/tmp/vllm_dist_*"))
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(self.env or {})}
+        t0 = time.time()
+        with open(self.log_file, "w") as log:
+            # A session of its own: stopping it reaches the engine's worker processes too.
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = round(time.time() - t0, 1)
+        ManagedServer.startups.append(self.startup_s)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.time() + self.timeout
+        health = self.url.removesuffix("/v1") + "/health"
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise DraftsmithError(
+                    f"the server exited (code {self.proc.returncode}) before it became healthy; "
+                    f"last lines of {self.log_file}:\n{self.log_tail()}",
+                    f"fix the error above; the command was: {shlex.join(self.argv)}")
+            try:
+                if httpx.get(health, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise DraftsmithError(
+            f"the server did not become healthy within {self.timeout:.0f} s; last lines of "
+            f"{self.log_file}:\n{self.log_tail()}",
+            "raise server.startup_timeout_s if it is still loading, or fix the error above")
+
+    def kill(self) -> None:
+        """Kill the server abruptly (SIGKILL), as a crash or a lost node would."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 30) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        # vLLM leaves a /tmp/vllm_dist_<hex> rendezvous file behind on every start.
+        for path in set(glob.glob("/tmp/vllm_dist_*")) - getattr(self, "_leftovers", set()):
+            Path(path).unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

