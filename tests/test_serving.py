@@ -137,6 +137,9 @@ def test_server_config_errors_name_the_fix(tmp_path):
     p.write_text("server:\n  urls: [127.0.0.1:8000]\n")
     with pytest.raises(ConfigError, match="must start with http"):
         load_config(p)
+    p.write_text("generate:\n  server:\n    launch: true\n")
+    with pytest.raises(ConfigError, match="'server' is a top-level section"):
+        load_config(p)
     p.write_text("server:\n  command: vllm serve\n")
     with pytest.raises(ConfigError, match="{model}"):
         load_config(p)

@@ -152,6 +152,27 @@ def test_killed_server_mid_run_resumes_with_every_sample_once(repo, generated, t
     assert sum(a == b for a, b in zip(records, reference)) >= 0.98 * N
 
 
+def test_interrupted_stage_stops_the_server_it_launched(repo, tmp_path):
+    sets = ["generate.backend=openai", f"generate.num_samples={N}", "server.launch=true",
+            f"server.command={COMMAND}", f"server.extra_args={EXTRA}", "server.concurrency=2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.generate", "--target", str(repo / "models/target"),
+         "--out", str(tmp_path / "raw"), "--work", str(tmp_path / "work"),
+         *[a for s in sets for a in ("--set", s)]],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    journal = tmp_path / "work/journal.jsonl"
+    while not journal.exists() or len(journal.read_text().splitlines()) < 1 + 20:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    assert vllm_running()
+    proc.send_signal(signal.SIGTERM)  # what `kill` or a scheduler's preemption sends
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert not vllm_running()  # the accelerator is free again
+    assert not (tmp_path / "raw").exists()  # nothing half-written
+    assert len(journal.read_text().splitlines()) > 1 + 20  # the work done so far is kept
+
+
 def set_params(repo: Path, section: str, values: dict) -> None:
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params[section].update(values)

@@ -205,6 +205,8 @@ class Config(_Section):
 
 
 def _did_you_mean(name: str, section: type[BaseModel]) -> str:
+    if name in Config.model_fields and section is not Config:
+        return f"'{name}' is a top-level section: move it out to the file's top level"
     close = difflib.get_close_matches(name, list(section.model_fields), n=1)
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(section.model_fields)}"
 

@@ -146,32 +146,34 @@ class ChatClient:
         then raises."""
         todo = iter(requests)
         failure: BaseException | None = None
-        with ThreadPoolExecutor(self.cfg.concurrency) as pool:
-            running = {}
+        pool = ThreadPoolExecutor(self.cfg.concurrency)
+        running = {}
 
-            def submit() -> None:
-                req = next(todo, None)
-                if req is not None:
-                    running[pool.submit(self.complete, req)] = req
+        def submit() -> None:
+            req = next(todo, None)
+            if req is not None:
+                running[pool.submit(self.complete, req)] = req
 
-            for _ in range(self.cfg.concurrency):
-                submit()
-            try:
-                while running:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        req = running.pop(fut)
-                        try:
-                            result = fut.result()
-                        except Exception as exc:
-                            failure = failure or exc
-                            continue
-                        if failure is None:
-                            submit()
-                        yield req, result
-            finally:
-                if failure is None and running:  # interrupted: drop what has not started
-                    for fut in running:
-                        fut.cancel()
+        for _ in range(self.cfg.concurrency):
+            submit()
+        finished = False
+        try:
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    req = running.pop(fut)
+                    try:
+                        result = fut.result()
+                    except Exception as exc:
+                        failure = failure or exc
+                        continue
+                    if failure is None:
+                        submit()
+                    yield req, result
+            finished = True
+        finally:
+            # Interrupted (Ctrl-C, SIGTERM, the consumer stopped): do not wait for requests in
+            # flight; the caller goes on to stop the server, which ends them.
+            pool.shutdown(wait=finished, cancel_futures=True)
         if failure is not None:
             raise failure
