@@ -61,11 +61,19 @@ def dvc(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+# Figures the tests measured that a reader of the CI log wants (acceptance, start times).
+REPORT: list[str] = []
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Report how long the real servers the tests started took to become healthy."""
+    """Print REPORT and how long the real servers the tests started took to become healthy."""
     from draftsmith.serving.server import ManagedServer
 
+    lines = list(REPORT)
     if ManagedServer.startups:
         times = ", ".join(f"{s:.1f}" for s in ManagedServer.startups)
-        terminalreporter.write_line(
-            f"servers started: {len(ManagedServer.startups)}, seconds to healthy: {times}")
+        lines.append(f"servers started: {len(ManagedServer.startups)}, seconds to healthy: {times}")
+    if lines:
+        terminalreporter.section("measured")
+        for line in lines:
+            terminalreporter.write_line(line)
