@@ -167,3 +167,14 @@ def test_server_that_dies_at_start_fails_fast_with_its_log(tmp_path):
     with pytest.raises(Exception) as err:
         server.start()
     assert "exited (code 3)" in str(err.value) and "bad flag --foo" in str(err.value)
+
+
+def test_engines_that_disagree_are_flagged():
+    from draftsmith.benchmark import engine_gaps
+
+    by_engine = {"reference": [{"temperature": 0.0, "acceptance_length": 2.85},
+                               {"temperature": 0.6, "acceptance_length": 3.12}],
+                 "vllm": [{"temperature": 0.0, "acceptance_length": 2.93},
+                          {"temperature": 0.6, "acceptance_length": 1.01}]}
+    assert engine_gaps(by_engine) == {0.6: {"reference": 3.12, "vllm": 1.01}}
+    assert engine_gaps({"reference": by_engine["reference"]}) == {}

@@ -96,6 +96,10 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
                                          Path(export_dir) / "vllm", prompts,
                                          Path(work_dir or "data/benchmark.work"))
         by_engine[engine] = results
+    gaps = engine_gaps(by_engine)
+    for temp, values in gaps.items():
+        print(f"benchmark: WARNING engines disagree at T={temp}: {values} (acceptance length); "
+              "an engine is not running this drafter as trained, or not sampling as specified")
     if plot_file:
         from draftsmith.plots import plot_acceptance
 
@@ -114,10 +118,23 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
         "by_engine": {e: {f"T{r['temperature']}": r["acceptance_length"] for r in rs}
                       for e, rs in by_engine.items()},
         "target": info.model,
+        # Temperatures where the engines differ by more than 10% (empty: they agree).
+        "engines_disagree_at": sorted(gaps),
     }
     if baseline:
         metrics["random_drafter_acceptance_length"] = baseline["acceptance_length"]
     return metrics
+
+
+def engine_gaps(by_engine: dict[str, list[dict]], tolerance: float = 0.10) -> dict:
+    """{temperature: {engine: acceptance length}} where engines differ by more than
+    `tolerance` (relative to the smallest)."""
+    at: dict[float, dict[str, float]] = {}
+    for engine, results in by_engine.items():
+        for r in results:
+            at.setdefault(r["temperature"], {})[engine] = r["acceptance_length"]
+    return {t: v for t, v in at.items()
+            if len(v) > 1 and max(v.values()) > (1 + tolerance) * min(v.values())}
 
 
 def reference_acceptance(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, prompts
