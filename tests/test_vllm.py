@@ -173,7 +173,7 @@ def test_interrupted_stage_stops_the_server_it_launched(repo, tmp_path):
     assert proc.returncode != 0
     assert not vllm_running()  # the accelerator is free again
     assert not (tmp_path / "raw").exists()  # nothing half-written
-    assert len(journal.read_text().splitlines()) > 1 + 20  # the work done so far is kept
+    assert len(journal.read_text().splitlines()) >= 1 + 20  # the work done so far is kept
 
 
 def set_params(repo: Path, section: str, values: dict) -> None:
