@@ -129,19 +129,16 @@ def test_vllm_and_sglang_command_lines(tmp_path):
     assert "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in sg
 
 
-def test_server_config_errors_name_the_fix(tmp_path):
+@pytest.mark.parametrize("params, needle", [
+    ("generate:\n  backend: openai\n", "server.urls"),
+    ("server:\n  urls: [127.0.0.1:8000]\n", "must start with http"),
+    ("generate:\n  server:\n    launch: true\n", "'server' is a top-level section"),
+    ("server:\n  command: vllm serve\n", "{model}"),
+])
+def test_server_config_errors_name_the_fix(tmp_path, params, needle):
     p = tmp_path / "params.yaml"
-    p.write_text("generate:\n  backend: openai\n")
-    with pytest.raises(ConfigError, match="server.urls"):
-        load_config(p)
-    p.write_text("server:\n  urls: [127.0.0.1:8000]\n")
-    with pytest.raises(ConfigError, match="must start with http"):
-        load_config(p)
-    p.write_text("generate:\n  server:\n    launch: true\n")
-    with pytest.raises(ConfigError, match="'server' is a top-level section"):
-        load_config(p)
-    p.write_text("server:\n  command: vllm serve\n")
-    with pytest.raises(ConfigError, match="{model}"):
+    p.write_text(params)
+    with pytest.raises(ConfigError, match=needle):
         load_config(p)
 
 

@@ -78,12 +78,12 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
         for p, out in _backend(cfg, server, info, target_dir, tokenizer, todo, texts, work_dir,
                                clock):
             n = len(tokenizer(texts[p.id], add_special_tokens=False)["input_ids"])
-            journal.append(_record(p, fmt, out, cfg.thinking, n))
+            done[p.id] = _record(p, fmt, out, cfg.thinking, n)
+            journal.append(done[p.id])
             new_tokens += out.num_tokens
     finally:
         journal.close()
     seconds = time.time() - clock["start"]  # generation only: no model load, no server start
-    done = journal.load()
     records = [done[p.id] for p in prompts]  # prompt order, each id exactly once
     write_jsonl(Path(out_dir) / SAMPLES_FILE, records)
     journal.remove()
