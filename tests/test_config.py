@@ -30,6 +30,11 @@ def test_shipped_params_are_valid_and_complete():
     assert keys(shipped) == model_keys(cfg)
 
 
+def test_code_defaults_are_the_shipped_params():
+    """Tests that build configs from code defaults run what the pipeline runs."""
+    assert Config().model_dump() == load_config(REPO / "params.yaml").model_dump()
+
+
 def test_shipped_params_have_a_comment_per_key():
     for line in (REPO / "params.yaml").read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):

@@ -58,9 +58,9 @@ def test_padding_does_not_leak_into_real_positions():
     m = drafter()
     aux = torch.randn(2, 7, 72, dtype=torch.double)
     ids = torch.randint(0, 50, (2, 10))
-    mask = torch.ones(2, 7, dtype=torch.bool)
-    mask[1, 4:] = False
-    padded = m(aux, ids, 3, key_mask=mask)
+    doc = torch.zeros(2, 7, dtype=torch.long)
+    doc[1, 4:] = -1  # padding
+    padded = m(aux, ids, 3, doc=doc)
     alone = m(aux[1:, :4], ids[1:, :4 + 3], 3)
     for j in range(3):
         # Chain t attends to step-0 keys at s <= t only: padding after 4 cannot reach t < 4.

@@ -102,3 +102,44 @@ def test_resume_reuses_finished_shards(model, tmp_path):
     # Other inputs (different layers): nothing is reused.
     m = hidden.write_hidden(cfg, model, [1, 4, 5], tok, tmp_path / "h", "rev", 0)
     assert m["reused_shards"] == 0
+
+
+def test_training_reads_the_shards_by_slices(model, tmp_path):
+    """The trainer's lazy reader returns each sample exactly as the whole-shard reader does."""
+    from safetensors.torch import save_file
+
+    from draftsmith.atomic import write_json
+    from draftsmith.train.data import HiddenStore
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    save_file({"input_ids": torch.arange(1, 16, dtype=torch.int32),
+               "loss_mask": (torch.arange(15) % 2).to(torch.uint8),
+               "cu_seqlens": torch.tensor([0, 4, 9, 15])}, tok / "shard-00000.safetensors")
+    write_json(tok / "manifest.json", {"vocab_size": 97, "shards": [
+        {"file": "shard-00000.safetensors", "ids": ["a", "b", "c"]}]})
+    hidden.write_hidden(HiddenConfig(dtype="bfloat16", shard_samples=2), model, [2, 4, 5], tok,
+                        tmp_path / "h", "rev", 0)
+    store = HiddenStore(tmp_path / "h")
+    for i, (sid, aux, final, ids, mask) in enumerate(hidden.iter_hidden(tmp_path / "h")):
+        assert store.samples[i].id == sid
+        got = store.read(i)
+        for a, b in zip(got, (aux, final, ids, mask)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_training_loads_only_the_head_of_the_target(model, tmp_path):
+    """Embedding, lm_head and final norm come from the safetensors alone, tied or not."""
+    from draftsmith.atomic import write_json
+    from draftsmith.artifacts import load_target_head
+
+    model.save_pretrained(tmp_path / "m")  # safetensors
+    write_json(tmp_path / "t" / "target.json", dict(
+        kind="local", model=str(tmp_path / "m"), path=str(tmp_path / "m"), revision="x",
+        chat_format="chatml", architecture="?", num_layers=8, hidden_size=64, vocab_size=97,
+        trust_remote_code=False, dtype="float32"))
+    config, embed, head, norm = load_target_head(tmp_path / "t")
+    assert config.hidden_size == 64
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight)
+    assert torch.equal(norm, model.get_decoder().norm.weight)

@@ -8,13 +8,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import export, generate, hidden, tokenization, train, vocab
+from draftsmith.artifacts import DRAFTER_WEIGHTS
 from draftsmith.config import (ExportConfig, GenerateConfig, HiddenConfig, TokenizeConfig,
                                TrainConfig, VocabConfig)
 from draftsmith.errors import DraftsmithError
 from draftsmith.target import read_info
+from draftsmith.train.loop import Trainer
 
-TRAIN = TrainConfig(steps=60, batch_size=8, lr=3e-3, ttt_steps=3, eval_samples=16,
-                    save_every=25, log_every=5, warmup_steps=5)
+TRAIN = TrainConfig(steps=60, seq_len=256, batch_size=2, lr=3e-3, ttt_steps=3, eval_samples=16,
+                    save_every=25, log_every=5, warmup_steps=5, num_workers=0)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trai
                                                          monkeypatch):
     out, _ = trained
     calls = []
-    real = train.evaluate
+    real = Trainer.evaluate
 
     def interrupted(*args, **kwargs):  # the initial eval runs; the final one is "Ctrl-C"
         calls.append(1)
@@ -70,7 +72,7 @@ def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trai
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "evaluate", interrupted)
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
                   tmp_path / "ckpt")
@@ -81,8 +83,8 @@ def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trai
                   tmp_path / "ckpt")
     assert m["resumed_from_step"] == 50
     assert not (tmp_path / "ckpt").exists()  # finished: the resume point is cleared
-    a = load_file(out / "drafter" / train.WEIGHTS)
-    b = load_file(tmp_path / "d" / train.WEIGHTS)
+    a = load_file(out / "drafter" / DRAFTER_WEIGHTS)
+    b = load_file(tmp_path / "d" / DRAFTER_WEIGHTS)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 

@@ -56,7 +56,7 @@ def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_
     total = SpecStats(accepted_at=[0] * k, reached=[0] * k)
     outputs = []
     for i, ids in enumerate(tqdm(prompts_ids, desc=desc, unit="prompt")):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        gen = torch.Generator(model.device).manual_seed(seed * 1_000_003 + i)
         out, stats = generate(model, proposer, ids, k=k, aux_layers=aux_layers,
                               max_new_tokens=max_new_tokens, eos_id=eos_id,
                               temperature=temperature, gen=gen)
@@ -66,21 +66,24 @@ def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_
 
 
 def random_drafter(trained: Eagle3Drafter, seed: int) -> Eagle3Drafter:
-    """Same shape, vocab map and (frozen, shared) embeddings; every trained weight random."""
+    """Same shape, vocab map and (frozen, shared) embeddings; every trained weight random.
+    Initialised on the CPU (the same weights on any device), then put where `trained` is."""
     torch.manual_seed(seed)
     d = Eagle3Drafter(DrafterConfig(**{**trained.config.to_dict(),
                                        "aux_layers": trained.config.aux_layers}))
     d.embed_tokens.weight.data.copy_(trained.embed_tokens.weight)
     d.d2t.copy_(trained.d2t)
     d.t2d.copy_(trained.t2d)
-    return d.eval()
+    return d.to(trained.fc.weight).eval()
 
 
 def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path,
         plot_file: Path | None = None, *, export_dir: Path | None = None,
-        server: ServerConfig | None = None, work_dir: Path | None = None) -> dict:
+        server: ServerConfig | None = None, work_dir: Path | None = None,
+        device: str | None = None) -> dict:
     """Measure acceptance with each engine in `cfg.engines` on the same held-out prompts.
-    The top-level keys are the first engine's; `by_engine` holds every engine's."""
+    The top-level keys are the first engine's; `by_engine` holds every engine's. The
+    reference engine runs on `device` (None: CUDA when there is one, else the CPU)."""
     from draftsmith.target import read_info
 
     info = read_info(target_dir)
@@ -90,7 +93,8 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
     by_engine, baseline = {}, None
     for engine in cfg.engines:
         if engine == "reference":
-            results, baseline = reference_acceptance(cfg, target_dir, drafter_dir, prompts)
+            results, baseline = reference_acceptance(cfg, target_dir, drafter_dir, prompts,
+                                                     device)
         else:
             results, _ = vllm_acceptance(cfg, server or ServerConfig(), target_dir,
                                          Path(export_dir) / "vllm", prompts,
@@ -137,16 +141,20 @@ def engine_gaps(by_engine: dict[str, list[dict]], tolerance: float = 0.10) -> di
             if len(v) > 1 and max(v.values()) > (1 + tolerance) * min(v.values())}
 
 
-def reference_acceptance(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, prompts
-                         ) -> tuple[list[dict], dict]:
-    """The reference engine (speculative.py) at each temperature, plus a random drafter."""
+def reference_acceptance(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, prompts,
+                         device: str | None = None) -> tuple[list[dict], dict]:
+    """The reference engine (speculative.py) at each temperature, plus a random drafter, on
+    `device` (None: CUDA when there is one). The drafter takes the target's device and dtype."""
+    from draftsmith.artifacts import load_drafter
     from draftsmith.target import load_model, load_tokenizer, read_info
-    from draftsmith.train import load_trained
 
     info = read_info(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    model = load_model(target_dir, device="cpu").float()
-    drafter = load_trained(drafter_dir, model)
+    model = load_model(target_dir, device=device)
+    if model.device.type == "cpu":
+        model = model.float()  # CPU kernels for bf16/fp16 are slow, or missing
+    drafter = load_drafter(drafter_dir, model.get_input_embeddings().weight)
+    drafter = drafter.to(model.device, model.dtype)
     aux_layers = list(drafter.config.aux_layers)
     prompt_ids = [tokenizer(prompt_text(tokenizer, p.messages, cfg.thinking),
                             add_special_tokens=False)["input_ids"] for p in prompts]

@@ -133,7 +133,7 @@ class TokenizeConfig(_Section):
 
 
 class VocabConfig(_Section):
-    draft_vocab_size: int = Field(512, ge=1)
+    draft_vocab_size: int = Field(256, ge=1)
 
 
 class HiddenConfig(_Section):
@@ -145,15 +145,20 @@ class HiddenConfig(_Section):
 
 class TrainConfig(_Section):
     init: str = "copy"
-    ttt_steps: int = Field(7, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ttt_steps: int = Field(3, ge=1)
     step_weight: float = Field(0.8, gt=0, le=1)
     loss: Literal["soft_ce", "kl"] = "soft_ce"
-    steps: int = Field(1000, ge=1)
-    batch_size: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    steps: int = Field(1500, ge=1)
+    seq_len: int = Field(256, ge=8)
+    batch_size: int = Field(4, ge=1)
+    lr: float = Field(2e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
     grad_clip: float = Field(0.5, gt=0)
-    bf16: bool = False
+    bf16: bool | Literal["auto"] = "auto"
+    attention: Literal["auto", "flex", "reference"] = "auto"
+    compile: bool | Literal["auto"] = "auto"
+    num_workers: int = Field(1, ge=0)
     seed: int = 0
     eval_samples: int = Field(64, ge=0)
     intermediate_size: int | None = Field(None, ge=1)
@@ -175,7 +180,7 @@ class BenchmarkConfig(_Section):
     split: str = "test"
     num_prompts: int = Field(60, ge=1)
     num_speculative_tokens: int = Field(3, ge=1)
-    temperatures: list[float] = Field([0.0], min_length=1)
+    temperatures: list[float] = Field([0.0, 0.6], min_length=1)
     max_new_tokens: int = Field(160, ge=1)
     thinking: bool = True
     seed: int = 0

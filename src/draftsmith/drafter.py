@@ -85,27 +85,48 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def qkv(self, x, pos):
-        """x: (B, T, 2H) -> q (B, nh, T, hd), k and v (B, nh, T, hd) (kv heads repeated)."""
-        B, T, _ = x.shape
+        """x: (B, T, 2H) -> q (B, nh, T, hd), k and v (B, nkv, T, hd): grouped-query heads are
+        not repeated here; attention broadcasts them."""
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), pos)
+
+    def project_half(self, x, half: int):
+        """The projections of one half of the 2H input (0: the embedding half, 1: the hidden
+        half): [W_e | W_h] @ [e; h] = W_e @ e + W_h @ h, so the halves can be computed apart."""
+        H = self.c.hidden_size
+        cols = slice(0, H) if half == 0 else slice(H, 2 * H)
+        return tuple(F.linear(x, p.weight[:, cols]) for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def heads(self, q, k, v, pos):
+        """Projected (B, T, n * hd) -> per-head q, k, v with rotary positions applied."""
+        B, T, _ = q.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        rep = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return rotate(q, pos, c.rope_theta), rotate(k, pos, c.rope_theta), v
 
 
-def ttt_attention(q, k0, v0, ks: list, vs: list, key_mask=None):
-    """q: (B, nh, T, hd) for chain positions t; k0/v0: step-0 keys (B, nh, T, hd), attended
-    causally (s <= t); ks/vs: the chain's own keys of steps 1..j, each (B, nh, T, hd),
-    attended only at the same t (the "diagonal"). key_mask: (B, T) True for real tokens.
+def repeat_kv(x, num_heads: int):
+    """(B, nkv, T, hd) -> (B, nh, T, hd): the reference paths' copy of grouped K/V heads."""
+    return x.repeat_interleave(num_heads // x.shape[1], 1)
+
+
+def ttt_attention(q, k0, v0, ks: list, vs: list, doc=None):
+    """The reference TTT attention (dense scores; the fast path in ttt_flex.py is held to it).
+
+    q: (B, nh, T, hd) for chain positions t; k0/v0: step-0 keys (B, nkv, T, hd), attended
+    causally (s <= t) within t's document; ks/vs: the chain's own keys of steps 1..j, each
+    (B, nkv, T, hd), attended only at the same t (the "diagonal"). doc: (B, T) document index
+    of each token in a packed row (-1 for padding), None for one document per row.
     Memory is O(T^2) for step 0 plus O(T * j): the chain keys are never materialised as T x T."""
     T, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
+    nh = q.shape[1]
+    k0, v0 = repeat_kv(k0, nh), repeat_kv(v0, nh)
+    ks, vs = [repeat_kv(k, nh) for k in ks], [repeat_kv(v, nh) for v in vs]
     s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, T, T)
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :]
+    if doc is not None:
+        allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
     s0 = s0.masked_fill(~allowed, float("-inf"))
     sd = [(q * k).sum(-1, keepdim=True) * scale for k in ks]  # each (B, nh, T, 1)
     p = torch.softmax(torch.cat([s0, *sd], -1).to(_accum(q.dtype)), -1).to(q.dtype)
@@ -161,55 +182,80 @@ class Eagle3Drafter(nn.Module):
     def logits(self, prenorm):
         return self.lm_head(self.norm(prenorm))
 
-    def forward(self, aux, next_ids, steps: int, key_mask=None):
-        """Training-time test.
+    def forward(self, aux, next_ids, steps: int, doc=None, pos=None):
+        """Training-time test on the reference attention: per-step draft-vocab logits, each
+        (B, T, Vd). Arguments as for `unroll`."""
+        return [self.logits(h) for h in self.unroll(aux, next_ids, steps, doc=doc, pos=pos)]
+
+    def unroll(self, aux, next_ids, steps: int, *, doc=None, pos=None, attend=None):
+        """Training-time test: every position's chain, `steps` draft steps deep.
 
         aux: (B, T, 3*Ht) target aux states at positions t; next_ids: (B, T + steps) where
         next_ids[:, t + j] is the token fed to chain t at step j (the token after t, then the
-        ones after it); key_mask: (B, T). Returns per-step draft-vocab logits, each (B, T, Vd)."""
+        ones after it); doc: (B, T) document index per token of a packed row (None: one
+        document); pos: (B, T) position of each token in its document (None: 0..T-1);
+        attend(q, k0, v0, ks, vs): the TTT attention (default: the dense reference under
+        `doc`). Returns the per-step prenorm states (B, T, H): `logits(h)` gives the drafts."""
         B, T, _ = aux.shape
-        pos = torch.arange(T, device=aux.device)
+        if pos is None:
+            pos = torch.arange(T, device=aux.device)
+        if attend is None:
+            def attend(q, k0, v0, ks, vs):
+                return ttt_attention(q, k0, v0, ks, vs, doc)
         h = self.fc(aux)
-        attn = self.midlayer.self_attn
+        # Chain t's token at step j is chain t+j's token at step 0: the embedding half of the
+        # q/k/v projection is the same for every step, shifted. Project it once.
+        emb = self.midlayer.input_layernorm(self.embed_tokens(next_ids[:, :T + steps - 1]))
+        emb_qkv = self.midlayer.self_attn.project_half(emb, 0)
         k0 = v0 = None
         ks, vs, out = [], [], []
         for j in range(steps):
-            x = self.midlayer.inputs(self.embed_tokens(next_ids[:, j: j + T]), h)
-            q, k, v = attn.qkv(x, pos + j)
+            q, k, v = self.step_qkv([x[:, j: j + T] for x in emb_qkv], h, pos + j)
             if j == 0:
                 k0, v0 = k, v
             else:
                 ks.append(k)
                 vs.append(v)
-            h = self.midlayer.finish(ttt_attention(q, k0, v0, ks, vs, key_mask), h)
-            out.append(self.logits(h))
+            h = self.midlayer.finish(attend(q, k0, v0, ks, vs), h)
+            out.append(h)
         return out
 
-    @torch.no_grad()
-    def chain(self, aux, tokens, steps: int, next_token):
-        """Inference path for one sequence (B = 1), as an engine runs it: prefill over the n
-        positions of aux (1, n, 3Ht), each paired with tokens[:, i] (the token after position
-        i), then `steps` chained steps from the last position. After step j's logits,
-        next_token(j, logits) gives the target-vocab token fed to step j + 1.
-        Returns the list of (Vd,) logits, one per step."""
-        n = aux.shape[1]
+    def step_qkv(self, emb_qkv, h, pos):
+        """One draft step's attention inputs: the projected embedding half plus the projected
+        norm(h) half, rotated."""
         attn = self.midlayer.self_attn
+        h_qkv = attn.project_half(self.midlayer.hidden_norm(h), 1)
+        return attn.heads(*(e + x for e, x in zip(emb_qkv, h_qkv)), pos)
+
+    @torch.no_grad()
+    def chain(self, aux, tokens, steps: int, next_token, cache: DrafterCache | None = None):
+        """Inference path for one sequence (B = 1), as an engine runs it. aux (1, m, 3Ht): the
+        target's aux states at the m positions after those already in `cache` (a fresh cache:
+        the whole prefix), each paired with tokens[:, i] (the token after that position).
+        Step 0 appends their keys to the cache and reads it from the last position; then
+        `steps - 1` chained steps follow, each attending to the cache plus the chain's own
+        keys. After step j's logits, next_token(j, logits) gives the target-vocab token (a
+        0-d tensor) fed to step j + 1. Returns the list of (Vd,) logits, one per step."""
+        cache = cache if cache is not None else DrafterCache()
+        attn = self.midlayer.self_attn
+        start, n = cache.length, cache.length + aux.shape[1]
         h = self.fc(aux)
-        x = self.midlayer.inputs(self.embed_tokens(tokens), h)
-        q, k0, v0 = attn.qkv(x, torch.arange(n))
-        h = self.midlayer.finish(ttt_attention(q, k0, v0, [], []), h)[:, -1:]
+        q, k, v = attn.qkv(self.midlayer.inputs(self.embed_tokens(tokens), h),
+                           torch.arange(start, n, device=aux.device))
+        keys, values = cache.write(start, k, v)
+        cache.length = n
+        # A step-0 key depends on its own position's inputs only (one layer), so appending
+        # never changes the cached ones; only the last position's output feeds the chain.
+        h = self.midlayer.finish(decode_attention(q[:, :, -1:], keys, values), h[:, -1:])
         out = [self.logits(h)[0, -1]]
-        ks, vs = [], []
         for j in range(1, steps):
-            tok = torch.tensor([[next_token(j - 1, out[-1])]])
+            tok = next_token(j - 1, out[-1]).view(1, 1)
             q, k, v = attn.qkv(self.midlayer.inputs(self.embed_tokens(tok), h),
-                               torch.tensor([n - 1 + j]))
-            ks.append(k)
-            vs.append(v)
-            # The chain's query sees all n prefill keys plus its own keys (one position each).
-            keys, vals = torch.cat([k0, *ks], 2), torch.cat([v0, *vs], 2)
-            p = torch.softmax(q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
-            h = self.midlayer.finish(p @ vals, h)
+                               torch.arange(n - 1 + j, n + j, device=aux.device))
+            # Written past the verified length: seen by this chain's later steps, then
+            # overwritten by the next round's append.
+            keys, values = cache.write(n - 1 + j, k, v)
+            h = self.midlayer.finish(decode_attention(q, keys, values), h)
             out.append(self.logits(h)[0, -1])
         return out
 
@@ -217,7 +263,40 @@ class Eagle3Drafter(nn.Module):
         """The chain with teacher-forced tokens, laid out as for `forward`: the reference the
         tests hold the training path to."""
         n = aux.shape[1]
-        return self.chain(aux, next_ids[:, :n], steps, lambda j, _: int(next_ids[0, n + j]))
+        return self.chain(aux, next_ids[:, :n], steps, lambda j, _: next_ids[0, n + j])
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
+
+
+class DrafterCache:
+    """One sequence's drafter keys/values (B = 1): the step-0 keys of its `length` verified
+    positions, then room where a round's chained steps put theirs. The buffer doubles when
+    full, so appending a round's positions never copies the whole prefix."""
+
+    def __init__(self):
+        self.keys = self.values = None  # (1, nkv, capacity, hd)
+        self.length = 0
+
+    def write(self, at: int, k, v):
+        """Store k, v (1, nkv, T, hd) at slots at..at+T-1; -> keys and values of slots < at+T."""
+        end = at + k.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            shape = (*k.shape[:2], max(64, 2 * end), k.shape[3])
+            keys, values = k.new_empty(shape), v.new_empty(shape)
+            if self.keys is not None:
+                keys[:, :, :at], values[:, :, :at] = self.keys[:, :, :at], self.values[:, :, :at]
+            self.keys, self.values = keys, values
+        self.keys[:, :, at:end], self.values[:, :, at:end] = k, v
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+def decode_attention(q, k, v):
+    """One query position against all of k/v, grouped-query heads not copied: the query heads
+    sharing a KV head are the rows of one matmul against it.
+    q: (B, nh, 1, hd); k, v: (B, nkv, S, hd) -> (B, nh, 1, hd)."""
+    B, nh, _, hd = q.shape
+    q = q.reshape(B, k.shape[1], nh // k.shape[1], hd)  # head i uses KV head i // (nh / nkv)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    p = torch.softmax(scores.to(_accum(q.dtype)), -1).to(q.dtype)
+    return (p @ v).view(B, nh, 1, hd)

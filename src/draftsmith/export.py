@@ -1,4 +1,4 @@
-"""Export the drafter for the engines, validate an export, and load an existing drafter.
+"""Export the drafter for the engines and validate an export.
 
 `vllm/` is the `LlamaForCausalLMEagle3` layout that vLLM loads (llama_eagle3.py): config.json +
 model.safetensors with `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (offsets) and `t2d`; the
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.artifacts import drafter_state, load_drafter
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
@@ -79,16 +80,12 @@ def _config(c: DrafterConfig, engine: str, dtype: str, provenance: dict) -> dict
 def export(model: Eagle3Drafter, out_dir: Path, *, dtype: str = "bfloat16",
            provenance: dict | None = None) -> None:
     """Write out_dir/vllm and out_dir/sglang."""
-    tensors = {}
-    for k, v in model.state_dict().items():
-        if k == "embed_tokens.weight":
-            continue
-        tensors[k] = v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+    tensors = drafter_state(model, getattr(torch, dtype))
     with atomic_path(out_dir) as tmp:
         for engine in ENGINES:
             d = tmp / engine
             d.mkdir(parents=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")
+            save_file(tensors, d / "model.safetensors")
             write_json(d / "config.json", _config(model.config, engine, dtype, provenance or {}))
 
 
@@ -200,71 +197,15 @@ def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
     return []
 
 
-# ----------------------------------------------------------------------------- load
-
-
-def load_drafter_weights(model: Eagle3Drafter, path: Path) -> dict:
-    """Initialise `model` from an existing EAGLE-3 drafter (vLLM/SpecForge `midlayer.*` layout
-    or the speculators `layers.0.*` layout), reconciling its draft vocab with ours by target
-    token id. Returns what was reconciled."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise DraftsmithError(f"{path} has no .safetensors drafter weights",
-                              "point train.init at an EAGLE-3 drafter directory")
-    theirs: dict[str, torch.Tensor] = {}
-    for f in files:
-        theirs.update(load_file(f))
-    renamed = {}
-    for k, v in theirs.items():
-        k = k.removeprefix("model.")
-        renamed[k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k] = v
-    mine = model.state_dict()
-    if "t2d" in renamed and renamed["t2d"].shape != mine["t2d"].shape:
-        raise DraftsmithError(
-            f"{path} was trained for a target vocab of {renamed['t2d'].numel()} tokens, this "
-            f"target has {mine['t2d'].numel()}", "init from a drafter of the same target")
-    loaded = {}
-    for k, v in renamed.items():
-        if k in ("d2t", "t2d", "lm_head.weight", "embed_tokens.weight"):
-            continue
-        if k not in mine or mine[k].shape != v.shape:
-            raise DraftsmithError(
-                f"{path}: tensor {k} {tuple(v.shape)} does not fit this drafter "
-                f"({tuple(mine[k].shape) if k in mine else 'no such tensor'})",
-                "init from a drafter of the same target architecture, or use init: copy")
-        loaded[k] = v.to(mine[k].dtype)
-    # lm_head rows follow target token ids: keep the rows of tokens both vocabs share.
-    kept = 0
-    if "lm_head.weight" in renamed and "d2t" in renamed:
-        their_ids = (renamed["d2t"] + torch.arange(len(renamed["d2t"]))).tolist()
-        row_of = {tid: r for r, tid in enumerate(their_ids)}
-        our_ids = (model.d2t + torch.arange(len(model.d2t))).tolist()
-        head = mine["lm_head.weight"].clone()
-        for r, tid in enumerate(our_ids):
-            if tid in row_of:
-                head[r] = renamed["lm_head.weight"][row_of[tid]]
-                kept += 1
-        loaded["lm_head.weight"] = head
-    model.load_state_dict(loaded, strict=False)
-    return {"tensors": len(loaded), "lm_head_rows_reused": kept,
-            "lm_head_rows_fresh": len(model.d2t) - kept}
-
-
 # ----------------------------------------------------------------------------- stage
 
 
 def run(cfg, target_dir: Path, drafter_dir: Path, out_dir: Path) -> dict:
     """Export the trained drafter for both engines and validate each against the target."""
     from draftsmith.target import read_info
-    from draftsmith.train import CONFIG, WEIGHTS
 
     info = read_info(target_dir)
-    c = json.loads((Path(drafter_dir) / CONFIG).read_text())
-    c["aux_layers"] = tuple(c["aux_layers"])
-    model = Eagle3Drafter(DrafterConfig(**c))
-    missing, _ = model.load_state_dict(load_file(Path(drafter_dir) / WEIGHTS), strict=False)
-    if missing != ["embed_tokens.weight"]:
-        raise DraftsmithError(f"{drafter_dir} lacks tensors {missing}", "re-run the train stage")
+    model = load_drafter(drafter_dir)
     export(model, out_dir, dtype=cfg.dtype, provenance={
         "target": {"model": info.model, "revision": info.revision, "kind": info.kind}})
     out = {}

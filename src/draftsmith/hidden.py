@@ -22,12 +22,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from draftsmith.artifacts import HIDDEN_MANIFEST, read_hidden_manifest
 from draftsmith.atomic import write_json
 from draftsmith.config import HiddenConfig, check_aux_layers
 from draftsmith.tokenization import MANIFEST as TOKENIZED_MANIFEST
 from draftsmith.tokenization import iter_samples
 
-MANIFEST = "manifest.json"
 RESUME = "resume.json"
 
 
@@ -40,9 +40,9 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 @torch.no_grad()
-def capture(model, input_ids, attention_mask, aux_layers: list[int]):
+def capture(model, input_ids, attention_mask, aux_layers: list[int], **decoder_kwargs):
     """-> aux (B, T, len(aux_layers) * H) entering those layers, final (B, T, H) after the
-    final norm."""
+    final norm. decoder_kwargs go to the decoder (a KV cache, for the speculative engine)."""
     layers = decoder_layers(model)
     seen: dict[int, torch.Tensor] = {}
 
@@ -54,7 +54,7 @@ def capture(model, input_ids, attention_mask, aux_layers: list[int]):
     handles = [layers[k].register_forward_pre_hook(hook(k), with_kwargs=True) for k in aux_layers]
     try:
         out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                  use_cache=False)
+                                  **{"use_cache": False, **decoder_kwargs})
     finally:
         for h in handles:
             h.remove()
@@ -144,7 +144,7 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
         bar.update(len(group))
     bar.close()
     hidden_size = model.config.get_text_config().hidden_size
-    write_json(out_dir / MANIFEST, {"aux_layers": layers, "hidden_size": hidden_size,
+    write_json(out_dir / HIDDEN_MANIFEST, {"aux_layers": layers, "hidden_size": hidden_size,
                                     "dtype": cfg.dtype, "shards": shards})
     per_token = (len(layers) + 1) * hidden_size * torch.finfo(dtype).bits // 8
     return {"aux_layers": layers, "samples": total, "tokens": tokens, "shards": len(shards),
@@ -152,13 +152,9 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
             "bytes": per_token * tokens}
 
 
-def read_manifest(hidden_dir: Path) -> dict:
-    return json.loads((Path(hidden_dir) / MANIFEST).read_text())
-
-
 def iter_hidden(hidden_dir: Path):
     """Yield (sample_id, aux, final, input_ids, loss_mask) per sample."""
-    for shard in read_manifest(hidden_dir)["shards"]:
+    for shard in read_hidden_manifest(hidden_dir)["shards"]:
         t = load_file(Path(hidden_dir) / shard["file"])
         cu = t["cu_seqlens"].tolist()
         for k, sid in enumerate(shard["ids"]):

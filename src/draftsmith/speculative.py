@@ -1,23 +1,30 @@
 """A reference speculative-decoding engine: chain drafts of k tokens, verified by the target.
 
 Each round: the drafter proposes k tokens from the target's aux hidden states (exactly as an
-engine feeds an EAGLE-3 drafter: prefill over the verified prefix, then k chained steps); one
-target forward over prefix + drafts verifies them. Greedy: a draft is accepted while it equals
-the target's argmax. Sampling: draft x ~ q is accepted with probability min(1, p(x)/q(x)); on
-rejection the replacement is drawn from norm(max(0, p - q)); after k acceptances a bonus token
-is drawn from p. The output is then distributed exactly as the target's own sampling (Leviathan
-et al. 2023), which tests/test_speculative.py checks statistically.
+engine feeds an EAGLE-3 drafter: step 0 over the newly verified positions, then k - 1 chained
+steps); one target forward over the drafts verifies them. Greedy: a draft is accepted while it
+equals the target's argmax. Sampling: draft x ~ q is accepted with probability
+min(1, p(x)/q(x)); on rejection the replacement is drawn from norm(max(0, p - q)); after k
+acceptances a bonus token is drawn from p. The output is then distributed exactly as the
+target's own sampling (Leviathan et al. 2023), which tests/test_speculative.py checks
+statistically.
 
-Clarity over speed: the target re-reads the whole sequence each round (no KV cache), which is
-fine for the small models this verifies on; acceptance, not wall time, is what it measures.
+Both models keep a KV cache across rounds, so each round costs what it would in an engine: the
+target runs over the last emitted token + the k drafts, then drops the rejected drafts' keys;
+the drafter appends the newly verified positions (their aux states come from that same
+verification forward) and runs its k chained steps. Everything stays on the target's device;
+the host reads tokens only where it decides on them.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
+from draftsmith.drafter import DrafterCache
 from draftsmith.hidden import capture
 
 
@@ -63,27 +70,34 @@ class Eagle3Proposer:
 
     def __init__(self, drafter):
         self.drafter = drafter.eval()
-        self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t))
+        self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)
+        self.cache = DrafterCache()  # the current sequence's
 
     @torch.no_grad()
     def propose(self, aux, ids, k: int, temperature: float, gen: torch.Generator):
-        """aux: (n-1, 3H) for positions 0..n-2 of ids (n tokens). Returns k target-vocab token
-        ids and, when sampling, their q rows (k, V) over the target vocab."""
+        """ids: the sequence so far (n tokens); aux: (m, 3H) the target's aux states at the last
+        m of its positions 0..n-2, those the drafter has not seen (m = n - 1: a new sequence).
+        Returns k target-vocab draft ids (k,) and, when sampling, their q rows (k, V) over the
+        target vocab."""
         d = self.drafter
+        n, m = len(ids), len(aux)
+        if m == n - 1:
+            self.cache = DrafterCache()
+        assert self.cache.length + m == n - 1, "aux must cover the positions the drafter lacks"
         drafts, qs = [], []
 
         def pick(_j, logits):
             tok, q = _pick(logits, temperature, gen)
-            drafts.append(int(self.draft_ids[tok]))
+            drafts.append(self.draft_ids[tok])
             if q is not None:
-                full = torch.zeros(d.config.vocab_size, dtype=q.dtype)
+                full = torch.zeros(d.config.vocab_size, dtype=q.dtype, device=q.device)
                 full[self.draft_ids] = q
                 qs.append(full)
             return drafts[-1]
 
-        logits = d.chain(aux[None].to(d.fc.weight.dtype), ids[None, 1:], k, pick)
+        logits = d.chain(aux[None].to(d.fc.weight.dtype), ids[None, n - m:], k, pick, self.cache)
         pick(k - 1, logits[-1])  # the last step's draft (the chain only asks for k - 1)
-        return drafts, (torch.stack(qs) if qs else None)
+        return torch.stack(drafts), (torch.stack(qs) if qs else None)
 
 
 class TargetProposer:
@@ -94,80 +108,109 @@ class TargetProposer:
 
     @torch.no_grad()
     def propose(self, aux, ids, k: int, temperature: float, gen: torch.Generator):
-        seq = ids.tolist()
         drafts, qs = [], []
         for _ in range(k):
-            logits = self.model(input_ids=torch.tensor([seq])).logits[0, -1]
+            logits = self.model(input_ids=torch.cat([ids, *drafts])[None]).logits[0, -1]
             tok, q = _pick(logits, temperature, gen)
-            drafts.append(tok)
-            seq.append(tok)
+            drafts.append(tok[None])
             if q is not None:
                 qs.append(q)
-        return drafts, (torch.stack(qs) if qs else None)
+        return torch.cat(drafts), (torch.stack(qs) if qs else None)
 
 
 def _pick(logits, temperature: float, gen):
+    """-> (token as a 0-d tensor on the logits' device, its distribution or None at greedy)."""
     if temperature <= 0:
-        return int(logits.argmax()), None
+        return logits.argmax(), None
     q = torch.softmax(logits.double() / temperature, -1)
-    return int(torch.multinomial(q, 1, generator=gen)), q
+    return torch.multinomial(q, 1, generator=gen)[0], q
 
 
 @torch.no_grad()
-def target_forward(model, ids, aux_layers):
-    aux, final = capture(model, ids[None], torch.ones(1, len(ids), dtype=torch.long), aux_layers)
-    logits = final @ model.get_output_embeddings().weight.T
-    return aux[0], logits[0]
+def target_forward(model, ids, aux_layers, cache: DynamicCache):
+    """Run the target over `ids` (T,), the tokens after the cache's positions, adding theirs to
+    the cache. -> aux (T, 3H) entering `aux_layers` (as `hidden.capture`) and the final hidden
+    states (T, H)."""
+    # transformers 5.x renames `past_key_values` to `cache`; remote code may keep the old name.
+    params = inspect.signature(model.get_decoder().forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    aux, final = capture(model, ids[None], None, aux_layers, use_cache=True, **{cache_arg: cache})
+    return aux[0], final[0]
+
+
+def target_logits(model, final):
+    return final @ model.get_output_embeddings().weight.T
 
 
 @torch.no_grad()
 def generate(model, proposer, prompt_ids: list[int], *, k: int, aux_layers: list[int],
              max_new_tokens: int, eos_id: int, temperature: float = 0.0,
              gen: torch.Generator | None = None) -> tuple[list[int], SpecStats]:
-    """Speculative generation from one prompt. Returns (new tokens, stats)."""
-    gen = gen or torch.Generator().manual_seed(0)
+    """Speculative generation from one prompt, on the target's device (`gen` must be a
+    generator of that device). Returns (new tokens, stats)."""
+    device = model.device
+    gen = gen or torch.Generator(device).manual_seed(0)
     stats = SpecStats(accepted_at=[0] * k, reached=[0] * k)
-    ids = torch.tensor(prompt_ids)
-    aux, logits = target_forward(model, ids, aux_layers)  # prefill: first token from the target
-    first, _ = _pick(logits[-1], temperature, gen)
-    out = [first]
+    cache = DynamicCache(config=model.config)
+    seq = torch.tensor(prompt_ids, device=device)
+    # Prefill: the first token from the target; the drafter has seen none of the positions.
+    new_aux, final = target_forward(model, seq, aux_layers, cache)
+    emitted = [int(_pick(target_logits(model, final[-1]), temperature, gen)[0])]
+    out = list(emitted)
     while out[-1] != eos_id and len(out) < max_new_tokens:
-        seq = torch.cat([ids, torch.tensor(out)])
-        n = len(seq)
-        drafts, q = proposer.propose(aux[: n - 1], seq, k, temperature, gen)
-        aux, logits = target_forward(model, torch.cat([seq, torch.tensor(drafts)]), aux_layers)
-        p_rows = logits[n - 1: n + k]  # row i: target's distribution for the token after i
-        emitted = []
-        stats.rounds += 1
-        stats.drafted += k
-        for i, d in enumerate(drafts):
-            stats.reached[i] += 1
-            if temperature <= 0:
-                ok = d == int(p_rows[i].argmax())
-            else:
-                p = torch.softmax(p_rows[i].double() / temperature, -1)
-                ok = bool(torch.rand(1, generator=gen, dtype=torch.double) < p[d] / q[i][d])
-            if not ok:
-                emitted.append(_correction(p_rows[i], None if q is None else q[i], temperature, gen))
-                break
-            stats.accepted += 1
-            stats.accepted_at[i] += 1
-            emitted.append(d)
-            if d == eos_id:
-                break
-        else:
-            emitted.append(_pick(p_rows[k], temperature, gen)[0])  # bonus token
-        stats.emitted += len(emitted)
+        seq = torch.cat([seq, torch.tensor(emitted, device=device)])
+        drafts, q = proposer.propose(new_aux, seq, k, temperature, gen)
+        # The cache holds every token but the last emitted one: verify it and the drafts.
+        aux, final = target_forward(model, torch.cat([seq[-1:], drafts]), aux_layers, cache)
+        emitted = _verify(target_logits(model, final), drafts, q, temperature, gen, eos_id, stats)
+        # The positions kept are the last token's and the accepted drafts': as many as emitted.
+        if len(emitted) < k + 1:
+            cache.crop(-(k + 1 - len(emitted)))
+        new_aux = aux[: len(emitted)]
         out += emitted
     if eos_id in out:
         out = out[: out.index(eos_id) + 1]
     return out[:max_new_tokens], stats
 
 
-def _correction(logits, q, temperature: float, gen) -> int:
+def _verify(logits, drafts, q, temperature: float, gen, eos_id: int, stats: SpecStats
+            ) -> list[int]:
+    """Judge the k drafts against the target's logits (k + 1, V), row i its distribution for
+    the token after draft i - 1; -> the tokens the round emits. Random draws are made in the
+    same order as a step-by-step loop would, so a generator gives the same output."""
+    k = len(drafts)
+    stats.rounds += 1
+    stats.drafted += k
     if temperature <= 0:
-        return int(logits.argmax())
-    p = torch.softmax(logits.double() / temperature, -1)
+        best = logits.argmax(-1).tolist()  # all the round's target choices in one read
+    else:
+        p = torch.softmax(logits.double() / temperature, -1)
+        rows = torch.arange(k, device=p.device)
+        ratio = p[rows, drafts] / q[rows, drafts]  # accept draft i with probability min(1, ratio)
+    emitted = []
+    for i, d in enumerate(drafts.tolist()):
+        stats.reached[i] += 1
+        if temperature <= 0:
+            ok = d == best[i]
+        else:
+            ok = bool(torch.rand(1, generator=gen, dtype=torch.double, device=p.device) < ratio[i])
+        if not ok:
+            emitted.append(best[i] if temperature <= 0 else _correction(p[i], q[i], gen))
+            break
+        stats.accepted += 1
+        stats.accepted_at[i] += 1
+        emitted.append(d)
+        if d == eos_id:
+            break
+    else:  # all k accepted: a bonus token
+        emitted.append(best[k] if temperature <= 0
+                       else int(torch.multinomial(p[k], 1, generator=gen)))
+    stats.emitted += len(emitted)
+    return emitted
+
+
+def _correction(p, q, gen) -> int:
+    """A draw from norm(max(0, p - q)): what a rejected draft is replaced with."""
     residual = (p - q).clamp_min(0)
     if residual.sum() <= 0:  # p == q exactly: any draw from p is right
         residual = p

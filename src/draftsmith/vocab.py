@@ -45,7 +45,7 @@ def maps(draft_to_target: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
 
 
 def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
-    return torch.arange(len(d2t)) + d2t
+    return torch.arange(len(d2t), device=d2t.device) + d2t
 
 
 def run(cfg: VocabConfig, tokenized_dir: Path, vocab_size: int, out_dir: Path) -> dict:

@@ -1,0 +1,234 @@
+"""Drafter training throughput and memory: today's reference path, the fast path, and a naive
+baseline, side by side in one run.
+
+    python benchmarks/train_ttt.py --json benchmarks/results/train_ttt_h200.json   # GPU, 8B shape
+    python benchmarks/train_ttt.py --preset toy --device cpu                      # CPU, seconds
+
+Shape (preset `8b`): Llama-3.1-8B (H 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128,256),
+draft vocab 32,000, 7 TTT steps, random weights (speed does not depend on the values). Each row
+is one document of T tokens (full causal attention: no help from packing's block sparsity), and
+a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
+
+- reference: `ttt_loss_reference` + the dense TTT attention (T x T scores) + full-vocab logits:
+  the algorithm the train stage ran before the fast path.
+- fast: what the train stage runs on a GPU (`Trainer`: chunked target view, flex attention,
+  fused lm_head + soft cross-entropy, torch.compile).
+- naive: fc + one Llama layer over [emb; h], 7 unrolled steps with plain causal attention (no
+  TTT pattern), hard-label CE over the draft vocab, no compile: the field's usual baseline.
+All: bf16 autocast, fp32 master weights, AdamW, gradient clipping.
+
+FLOPs per token (the `mfu` column): 6 x the drafter's matmul parameters per step x steps (fc
+once) + 2 x the target head (forward only) + causal attention; over the bf16 matmul ceiling
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+PRESETS = {
+    "8b": dict(H=4096, nh=32, nkv=8, hd=128, I=14336, V=128256, Vd=32000, steps=7,
+               lengths=[2048, 8192, 16384, 32768], tokens_per_step=8192, iters=8),
+    "toy": dict(H=64, nh=4, nkv=2, hd=16, I=128, V=512, Vd=128, steps=3,
+                lengths=[64, 128], tokens_per_step=256, iters=2),
+}
+
+
+def make_drafter(p, device):
+    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+
+    torch.manual_seed(0)
+    c = DrafterConfig(hidden_size=p["H"], target_hidden_size=p["H"], num_heads=p["nh"],
+                      num_kv_heads=p["nkv"], head_dim=p["hd"], intermediate_size=p["I"],
+                      vocab_size=p["V"], draft_vocab_size=p["Vd"], aux_layers=(2, 16, 29))
+    m = Eagle3Drafter(c)
+    for prm in m.parameters():
+        torch.nn.init.normal_(prm, std=0.02)
+    draft = torch.randperm(p["V"])[:p["Vd"]].sort().values
+    m.d2t.copy_(draft - torch.arange(p["Vd"]))
+    m.t2d[draft] = True
+    return m.to(device)
+
+
+def make_batch(p, T, rows, device):
+    from draftsmith.train.data import Batch
+
+    g = torch.Generator().manual_seed(T)
+    doc = torch.zeros(rows, T, dtype=torch.long)
+    return Batch(aux=torch.randn(rows, T, 3 * p["H"], generator=g).to(torch.bfloat16),
+                 final=torch.randn(rows, T, p["H"], generator=g).to(torch.bfloat16),
+                 ids=torch.randint(0, p["V"], (rows, T), generator=g),
+                 loss_mask=torch.ones(rows, T, dtype=torch.bool), doc=doc,
+                 pos=torch.arange(T).expand(rows, T).contiguous()).to(device)
+
+
+def naive_loss(m, batch, steps):
+    """No TTT attention: each step is an ordinary causal layer over its own keys."""
+    B, T = batch.ids.shape
+    next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))
+    h = m.fc(batch.aux.float())
+    total = 0.0
+    for j in range(steps):
+        x = m.midlayer.inputs(m.embed_tokens(next_ids[:, j:j + T]), h)
+        q, k, v = m.midlayer.self_attn.qkv(x, batch.pos + j)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = m.midlayer.finish(a, h)
+        logits = m.lm_head(m.norm(h))
+        total = total + F.cross_entropy(logits.flatten(0, 1).float(),
+                                        next_ids[:, j + 1:j + 1 + T].flatten() % logits.shape[-1])
+    return total
+
+
+def run_case(kind, p, T, device, iters):
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+    from draftsmith.train.loss import ttt_loss_reference
+
+    rows = max(1, p["tokens_per_step"] // T)
+    m = make_drafter(p, device)
+    batch = make_batch(p, T, rows, device)
+    head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
+    cfg = TrainConfig(ttt_steps=p["steps"], seq_len=T, batch_size=rows)
+    rt = Runtime.resolve(cfg.model_copy(update={"device": device.type}))
+    if kind == "fast":
+        trainer = Trainer(cfg, rt, m, TargetHead(None, None, head, None))
+        step_loss = lambda: trainer.loss(batch)[0]  # noqa: E731
+    elif kind == "reference":
+        draft_ids = m.d2t + torch.arange(p["Vd"], device=device)
+        weights = [0.8 ** j for j in range(p["steps"])]
+
+        def step_loss():
+            with rt.autocast():
+                return ttt_loss_reference(m, batch, head, draft_ids, m.t2d, p["steps"],
+                                          weights, "soft_ce")[0]
+    else:
+        def step_loss():
+            with rt.autocast():
+                return naive_loss(m, batch, p["steps"])
+    opt = torch.optim.AdamW(m.trainable_parameters(), lr=1e-5)
+
+    def step():
+        loss = step_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.trainable_parameters(), 1.0)
+        opt.step()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    try:
+        for _ in range(2):  # warm-up: compile, autotune, allocator
+            step()
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        sync()
+        seconds = (time.perf_counter() - t0) / iters
+    except torch.OutOfMemoryError:
+        return {"kind": kind, "T": T, "rows": rows, "status": "out of memory"}
+    finally:
+        del m, opt
+    out = {"kind": kind, "T": T, "rows": rows, "status": "ok",
+           "tokens_per_s": round(rows * T / seconds, 1), "step_ms": round(seconds * 1e3, 2)}
+    if device.type == "cuda":
+        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        torch.cuda.empty_cache()
+    return out
+
+
+def flops_per_token(p, T):
+    H, I, nh, nkv, hd, Vd = p["H"], p["I"], p["nh"], p["nkv"], p["hd"], p["Vd"]
+    layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd
+    attn = 2 * 2 * nh * hd * T / 2  # causal scores + weighted values, forward
+    per_step = 6 * layer + 3 * attn
+    return p["steps"] * per_step + 6 * 3 * H * H + 2 * H * p["V"]
+
+
+def matmul_ceiling(device):
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
+
+
+def kernel_ratio(device, p):
+    """The fused soft-CE kernel against its PyTorch reference, one step's logits."""
+    from draftsmith_kernels import soft_ce as k
+
+    if device.type != "cuda" or not k.available():
+        return {"status": "no CUDA kernel here: " + k.status()}
+    n, v = 8192, p["Vd"]
+    sets = [(torch.randn(n, v, device=device, dtype=torch.bfloat16) * 4,
+             torch.randn(n, v, device=device) * 4, torch.rand(n, device=device))
+            for _ in range(3)]
+
+    def time_it(fn):
+        for x in sets:
+            fn(*x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(30):
+            fn(*sets[i % 3])
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 30 * 1e3
+
+    kern, ref = time_it(k.soft_ce), time_it(k.soft_ce_ref)
+    return {"n": n, "v": v, "kernel_ms": round(kern, 3), "reference_ms": round(ref, 3),
+            "speedup": round(ref / kern, 2)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lengths", type=int, nargs="*", help="context lengths T to run")
+    ap.add_argument("--kinds", nargs="*", default=["naive", "reference", "fast"])
+    ap.add_argument("--iters", type=int)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    p = dict(PRESETS[args.preset])
+    device = torch.device(args.device)
+    ceiling = matmul_ceiling(device)
+    results = []
+    for T in args.lengths or p["lengths"]:
+        for kind in args.kinds:
+            r = run_case(kind, p, T, device, args.iters or p["iters"])
+            if r["status"] == "ok" and ceiling:
+                r["mfu"] = round(r["tokens_per_s"] * flops_per_token(p, T) / ceiling, 3)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    out = {"command": "python " + " ".join(sys.argv), "preset": args.preset, "shape": p, "device": torch.cuda.get_device_name(device)
+           if device.type == "cuda" else "cpu", "torch": torch.__version__,
+           "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None,
+           "results": results, "soft_ce_kernel": kernel_ratio(device, p)}
+    print(f"\n{'T':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} {'mfu':>6}")
+    for r in results:
+        print(f"{r['T']:>6} {r['kind']:>10} {r.get('tokens_per_s', r['status']):>10} "
+              f"{r.get('peak_memory_gb', '-'):>8} {r.get('mfu', '-'):>6}")
+    print("soft-CE kernel:", out["soft_ce_kernel"])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Train stage lifecycle: setup (device, data plan, drafter) -> train (checkpoint every
+`save_every` steps, resume from the last one) -> evaluate (per-step accuracy of the initial and
+the trained drafter on held-out samples) -> save.
+
+One code path for the CPU (the embedded default: fp32, the dense reference attention) and the
+GPU (bf16 autocast over fp32 master weights, flex attention, compiled). Inside a step nothing
+waits for the GPU: metrics stay on the device and are read only at logging steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from draftsmith.artifacts import (DRAFTER_WEIGHTS, SHARED, drafter_state, load_drafter_weights,
+                                  save_drafter)
+from draftsmith.atomic import atomic_path, write_json
+from draftsmith.config import TrainConfig
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.errors import DraftsmithError
+from draftsmith.train.data import HiddenStore, eval_steps, loader, schedule
+from draftsmith.train.loss import target_view, ttt_loss
+from draftsmith.vocab import draft_ids_from_d2t
+
+
+@dataclass
+class TargetHead:
+    """The only parts of the target that training reads (target.load_head)."""
+    config: object  # its text config (shapes, rope, eps)
+    embed: torch.Tensor  # (V, Ht) input embedding, shared with the drafter (frozen)
+    lm_head: torch.Tensor  # (V, Ht)
+    norm: torch.Tensor  # (Ht,) final norm weight
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype  # compute dtype: bf16 under autocast, else fp32
+    attention: str  # flex | reference
+    compile: bool
+
+    @classmethod
+    def resolve(cls, cfg: TrainConfig) -> Runtime:
+        cuda = torch.cuda.is_available()
+        if cfg.device == "cuda" and not cuda:
+            raise DraftsmithError("train.device is cuda but no GPU is visible to torch",
+                                  "set train.device: auto (or cpu), or install a CUDA build "
+                                  "of torch")
+        device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and cuda)
+                              else "cpu")
+        on_gpu = device.type == "cuda"
+        attention = cfg.attention if cfg.attention != "auto" else ("flex" if on_gpu else "reference")
+        if attention == "flex" and not on_gpu:
+            raise DraftsmithError("train.attention: flex needs a GPU (PyTorch has no flex "
+                                  "attention backward on the CPU)",
+                                  "set train.attention: auto or reference on the CPU")
+        bf16 = on_gpu if cfg.bf16 == "auto" else cfg.bf16
+        return cls(device, torch.bfloat16 if bf16 else torch.float32, attention,
+                   on_gpu if cfg.compile == "auto" else cfg.compile)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.dtype == torch.bfloat16)
+
+
+def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers) -> Eagle3Drafter:
+    tc = head.config
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    c = DrafterConfig(
+        hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
+        num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
+        head_dim=head_dim, intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        vocab_size=tc.vocab_size, draft_vocab_size=len(d2t), aux_layers=tuple(aux_layers),
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=_rope_theta(tc),
+        max_position_embeddings=tc.max_position_embeddings,
+    )
+    torch.manual_seed(cfg.seed)
+    model = Eagle3Drafter(c)
+    model.embed_tokens.weight.data.copy_(head.embed.float())
+    model.d2t.copy_(d2t)
+    model.t2d.copy_(t2d)
+    if cfg.init == "copy":
+        model.lm_head.weight.data.copy_(head.lm_head.float()[draft_ids_from_d2t(d2t)])
+        model.norm.weight.data.copy_(head.norm.float())
+    elif cfg.init != "scratch":
+        load_drafter_weights(model, Path(cfg.init))
+    return model
+
+
+def _rope_theta(tc) -> float:
+    rp = getattr(tc, "rope_parameters", None) or {}
+    return float(rp.get("rope_theta", getattr(tc, "rope_theta", 10000.0)))
+
+
+def _lr(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+class Trainer:
+    """The drafter, the target head on the device, and one TTT step."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, model: Eagle3Drafter, head: TargetHead):
+        self.cfg, self.rt = cfg, rt
+        self.model = model.to(rt.device)
+        # The frozen embedding is only looked up: keep it in the compute dtype (1 GB, not 2,
+        # for a 128K x 4096 table). It is never saved with the drafter.
+        self.model.embed_tokens.to(rt.dtype)
+        self.head = head.lm_head.to(rt.device, rt.dtype)  # (V, Ht): the target's argmax
+        self.draft_ids = draft_ids_from_d2t(model.d2t).to(rt.device)
+        self.weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
+        self.attend = None
+        if rt.attention == "flex":
+            from draftsmith.ttt_flex import compiled_ttt_attention_flex, ttt_attention_flex
+
+            self.attend = compiled_ttt_attention_flex() if rt.compile else ttt_attention_flex
+        if rt.compile:  # the layer's norms, rotary and MLP fused; shapes are static
+            self.model.step_qkv = torch.compile(self.model.step_qkv, dynamic=False)
+            self.model.midlayer.finish = torch.compile(self.model.midlayer.finish, dynamic=False)
+
+    def loss(self, batch):
+        """-> (loss, per-step stats (steps, 3) [mean loss, correct, counted]) on the device."""
+        attend = None
+        if self.attend is not None:
+            from draftsmith.ttt_flex import document_block_mask
+
+            mask = document_block_mask(batch.doc)
+            attend = lambda q, k0, v0, ks, vs: self.attend(q, k0, v0, ks, vs, mask)  # noqa: E731
+        with self.rt.autocast():
+            view = target_view(batch, self.head, self.draft_ids, self.model.t2d)
+            return ttt_loss(self.model, batch, view, self.cfg.ttt_steps, self.weights,
+                            self.cfg.loss, attend=attend, dtype=self.rt.dtype)
+
+    @torch.no_grad()
+    def evaluate(self, store: HiddenStore, members: list[int]) -> dict:
+        """Per-step top-1 agreement with the target (and loss) on held-out samples."""
+        self.model.eval()
+        total = torch.zeros(self.cfg.ttt_steps, 3, device=self.rt.device)
+        for batch in loader(store, eval_steps(store, members, self.cfg.seq_len,
+                                              self.cfg.batch_size),
+                            self.cfg.seq_len, device=self.rt.device, workers=0):
+            _, stats = self.loss(batch.to(self.rt.device, non_blocking=True))
+            total[:, 0] += stats[:, 0] * stats[:, 2]  # mean loss -> summed over positions
+            total[:, 1:] += stats[:, 1:]
+        self.model.train()
+        loss_sum, correct, count = total.T.tolist()
+        return {"accuracy": [round(c / max(1, n), 4) for c, n in zip(correct, count)],
+                "loss": [round(s / max(1, n), 4) for s, n in zip(loss_sum, count)],
+                "positions": [int(n) for n in count]}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _resume_key(cfg: TrainConfig, hidden_dir: Path, vocab_dir: Path) -> str:
+    h = hashlib.sha256(cfg.model_dump_json().encode())
+    h.update((Path(hidden_dir) / "manifest.json").read_bytes())
+    h.update((Path(vocab_dir) / "vocab.safetensors").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _save_checkpoint(ckpt_dir: Path, model, opt, step: int, key: str, curve: list) -> None:
+    with atomic_path(ckpt_dir) as tmp:
+        tmp.mkdir()
+        save_file(drafter_state(model), tmp / DRAFTER_WEIGHTS)
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        write_json(tmp / "state.json", {"step": step, "key": key, "curve": curve})
+
+
+def _load_checkpoint(ckpt_dir: Path, model, opt, key: str):
+    state_file = ckpt_dir / "state.json"
+    if not state_file.exists():
+        return 0, []
+    state = json.loads(state_file.read_text())
+    if state["key"] != key:
+        return 0, []  # a different run's checkpoint: start over
+    missing, _ = model.load_state_dict(load_file(ckpt_dir / DRAFTER_WEIGHTS), strict=False)
+    assert missing == [SHARED], missing
+    opt.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True,
+                                   map_location=next(model.parameters()).device))
+    return state["step"], state["curve"]
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
+          ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None) -> dict:
+    from draftsmith.vocab import load as load_vocab
+
+    rt = Runtime.resolve(cfg)
+    d2t, t2d = load_vocab(vocab_dir)
+    store = HiddenStore(hidden_dir)
+    store.check_fits(cfg.seq_len)
+    train_ids, eval_ids = store.split(cfg.eval_samples)
+    if not train_ids:
+        raise DraftsmithError("no training samples", "lower train.eval_samples or add data")
+    trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers), head)
+    model = trainer.model
+    initial = trainer.evaluate(store, eval_ids)
+
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    key = _resume_key(cfg, hidden_dir, vocab_dir)
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    start, curve = _load_checkpoint(Path(ckpt_dir), model, opt, key)
+    plan: list = []
+    epoch = 0
+    while len(plan) < cfg.steps:
+        plan += schedule(store, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, epoch)
+        epoch += 1
+    batches = loader(store, plan[start:cfg.steps], cfg.seq_len, device=rt.device,
+                     workers=cfg.num_workers)
+    tokens = torch.zeros((), dtype=torch.long, device=rt.device)
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    t0 = time.time()
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+    model.train()
+    for step, batch in zip(range(start, cfg.steps), batches):
+        batch = batch.to(rt.device, non_blocking=True)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg)
+        loss, stats = trainer.loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), cfg.grad_clip)
+        opt.step()
+        tokens += batch.tokens
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:  # the only host sync
+            per = stats.tolist()
+            row = {"step": step, "loss": round(float(loss), 4)}
+            for j, (_, c, n) in enumerate(per):
+                row[f"acc_{j}"] = round(c / max(1, n), 4)
+            curve.append(row)
+            bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
+        bar.update(1)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save_checkpoint(Path(ckpt_dir), model, opt, step + 1, key, curve)
+    bar.close()
+    seconds = time.time() - t0  # float(loss) above synchronised at the last step
+    trained_tokens = int(tokens)
+    final = trainer.evaluate(store, eval_ids)
+
+    save_drafter(model, out_dir)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # done: nothing left to resume
+    if curve_file:
+        _write_curve(curve_file, curve)
+    if plot_file:
+        from draftsmith.plots import plot_training
+
+        plot_training(curve, plot_file)
+    metrics = {
+        "steps": cfg.steps, "resumed_from_step": start, "ttt_steps": cfg.ttt_steps,
+        "eval_accuracy": final["accuracy"], "eval_loss": final["loss"],
+        "initial_eval_accuracy": initial["accuracy"],
+        "eval_positions": final["positions"][0],
+        "train_tokens_per_s": round(trained_tokens / seconds, 1) if seconds > 0 else None,
+        "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
+        "device": rt.device.type, "compute_dtype": str(rt.dtype).removeprefix("torch."),
+        "attention": rt.attention,
+    }
+    if rt.device.type == "cuda":
+        metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
+    return metrics
+
+
+def _write_curve(path: Path, curve: list[dict]) -> None:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(curve[0]))
+    w.writeheader()
+    w.writerows(curve)
+    with atomic_path(Path(path)) as tmp:
+        tmp.write_text(buf.getvalue())

@@ -1,0 +1,174 @@
+"""The TTT loss without the full vocabulary.
+
+Alignment, for a sample x: chain t at step j predicts x[t+2+j], supervised by the target's
+distribution at position p = t+1+j over the draft vocab, counted where x[p+1] is a response
+token of the same sample and the target's top token (full vocab) is in the draft vocab.
+
+Memory: the target's logits over the full vocab exist only a chunk of rows at a time (for its
+argmax); over the draft vocab once per batch. The drafter's logits exist only a chunk of rows
+at a time too: `LinearSoftCE` computes lm_head, the soft cross-entropy and its gradient chunk
+by chunk in the forward pass (the fused kernel in `draftsmith_kernels.soft_ce`, or its PyTorch
+reference), keeping only the gradients, (T, H) and (Vd, H), for the backward pass.
+
+`ttt_loss_reference` is the plain version (full logits, autograd) the tests hold this to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.train.data import Batch
+from draftsmith_kernels.soft_ce import soft_ce
+
+CHUNK_ROWS = 4096  # rows of logits alive at once: the target's 4096 x 128K x 2 bytes = 1 GB
+
+
+@dataclass
+class TargetView:
+    """What the target says at every position of a batch."""
+    logits: torch.Tensor  # (B, T, Vd) in the head's dtype: its logits over the draft vocab
+    valid: torch.Tensor  # (B, T) bool: position p counts (see the module docstring)
+
+
+@torch.no_grad()
+def target_view(batch: Batch, head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                chunk: int = CHUNK_ROWS) -> TargetView:
+    """head: the target's lm_head (V, Ht) in the compute dtype."""
+    B, T, Ht = batch.final.shape
+    final = batch.final.reshape(B * T, Ht).to(head.dtype)
+    acc = torch.promote_types(head.dtype, torch.float32)  # fp32, or fp64 in exact tests
+    logits = torch.empty(B * T, len(draft_ids), dtype=acc, device=final.device)
+    top = torch.empty(B * T, dtype=torch.long, device=final.device)
+    for a in range(0, B * T, chunk):
+        full = final[a:a + chunk] @ head.T  # (rows, V): only a chunk of it ever exists
+        top[a:a + chunk] = full.argmax(-1)
+        logits[a:a + chunk] = full[:, draft_ids]
+    same_doc_next = F.pad(batch.doc[:, 1:] == batch.doc[:, :-1], (0, 1))
+    next_is_response = F.pad(batch.loss_mask[:, 1:], (0, 1)) & same_doc_next
+    valid = next_is_response & t2d[top].view(B, T) & (batch.doc >= 0)
+    return TargetView(logits.view(B, T, -1), valid)
+
+
+class LinearSoftCE(torch.autograd.Function):
+    """sum over rows of scale * softCE(x @ weight.T, target), with the logits computed a chunk
+    of rows at a time and the gradient computed in the forward pass.
+
+    x: (B, L, H); weight: (Vd, H); target: (B, L, Vd) target logits (may be a strided view);
+    scale: (B, L) fp32 (0 where a row does not count); shared: the lm_head gradient buffer of
+    the losses summed with this one (SharedGrad). Returns (loss, ce, agree): the scalar
+    loss (differentiable), and per row the cross-entropy and whether the draft's argmax equals
+    the target's (for metrics). With kl=True the loss is KL(target || draft) instead: the same
+    gradient, the target's entropy subtracted."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, scale, dtype, kl, chunk, shared: SharedGrad):
+        B, L, H = x.shape
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight.to(dtype)
+        dx = torch.empty(B, L, H, dtype=dtype, device=x.device) if need_dx else None
+        dw = shared.buffer(weight) if need_dw else None
+        acc = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 in exact tests
+        ce = torch.empty(B, L, dtype=acc, device=x.device)
+        agree = torch.empty(B, L, dtype=torch.bool, device=x.device)
+        loss = torch.zeros((), dtype=acc, device=x.device)
+        with torch.autocast(x.device.type, enabled=False):
+            for b in range(B):
+                for a in range(0, L, chunk):
+                    xc = x[b, a:a + chunk].to(dtype)
+                    logits = xc @ w.T  # (rows, Vd)
+                    s = scale[b, a:a + chunk]
+                    c, neg_ent, pred, tpred, g = soft_ce(logits, target[b, a:a + chunk], s,
+                                                         inplace=True)
+                    loss += (s * (c + neg_ent if kl else c)).sum()
+                    ce[b, a:a + chunk], agree[b, a:a + chunk] = c, pred == tpred
+                    if need_dx:
+                        dx[b, a:a + chunk] = g @ w
+                    if need_dw:
+                        dw += (g.T @ xc).to(dw.dtype)  # accumulated in >= fp32
+        ctx.save_for_backward(dx)
+        ctx.x_dtype, ctx.shared = x.dtype, shared
+        ctx.mark_non_differentiable(ce, agree)
+        return loss, ce, agree
+
+    @staticmethod
+    def backward(ctx, grad_loss, _ce, _agree):
+        (dx,) = ctx.saved_tensors
+        gx = None if dx is None else (dx * grad_loss).to(ctx.x_dtype)
+        return gx, ctx.shared.take(grad_loss), None, None, None, None, None, None
+
+
+class SharedGrad:
+    """One lm_head gradient for all TTT steps: each step adds its (Vd, H) fp32 gradient into
+    the same buffer in the forward pass, and the first step reached by backward returns the
+    sum (the others return None). Right because the steps' losses are summed with weight one
+    (their weights are folded into the row scales), so every step gets the same grad_loss;
+    a buffer per step would cost 7 x 0.5 GB at an 8B shape."""
+
+    def __init__(self):
+        self.dw = None
+
+    def buffer(self, weight):
+        if self.dw is None:
+            self.dw = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype,
+                                                                         torch.float32))
+        return self.dw
+
+    def take(self, grad_loss):
+        dw, self.dw = self.dw, None
+        return None if dw is None else dw * grad_loss
+
+
+def ttt_loss(model, batch: Batch, view: TargetView, steps: int, weights: list[float], kind: str,
+             attend=None, dtype: torch.dtype = torch.float32, chunk: int = CHUNK_ROWS):
+    """-> (weighted loss, per-step stats (steps, 3): [mean loss, correct, counted]), all on the
+    device: nothing here waits for the GPU."""
+    B, T = batch.ids.shape
+    next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))  # next_ids[t + j] = x[t + 1 + j]
+    hs = model.unroll(batch.aux.to(model.fc.weight.dtype), next_ids, steps, doc=batch.doc, pos=batch.pos, attend=attend)
+    acc = torch.promote_types(view.logits.dtype, torch.float32)
+    total, stats, shared = 0.0, [], SharedGrad()
+    for j, h in enumerate(hs):
+        L = T - 1 - j  # chain t is judged at p = t + 1 + j, inside the row
+        counted = view.valid[:, 1 + j:] & (batch.doc[:, :L] == batch.doc[:, 1 + j:])
+        n = counted.sum()
+        scale = counted.to(acc) * weights[j] / n.clamp_min(1).to(acc)  # step weight folded in
+        loss, _, agree = LinearSoftCE.apply(model.norm(h[:, :L]), model.lm_head.weight,
+                                            view.logits[:, 1 + j:], scale, dtype,
+                                            kind == "kl", chunk, shared)
+        total = total + loss  # weight one: see SharedGrad
+        stats.append(torch.stack([(loss.detach() / weights[j]).float(),
+                                  (agree & counted).sum().float(), n.float()]))
+    return total, torch.stack(stats)
+
+
+def ttt_loss_reference(model, batch: Batch, head, draft_ids, t2d, steps: int,
+                       weights: list[float], kind: str):
+    """The plain TTT loss: full-vocab target logits and full draft logits, autograd through
+    everything, the dense reference attention. Same contract as ttt_loss."""
+    logits = batch.final.to(head.dtype) @ head.T  # (B, T, V)
+    in_draft = t2d[logits.argmax(-1)]
+    probs = torch.softmax(logits[..., draft_ids].to(torch.promote_types(head.dtype, torch.float32)), -1)
+    same_doc_next = F.pad(batch.doc[:, 1:] == batch.doc[:, :-1], (0, 1))
+    valid = F.pad(batch.loss_mask[:, 1:], (0, 1)) & same_doc_next & in_draft & (batch.doc >= 0)
+    B, T = batch.ids.shape
+    next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))
+    out = model(batch.aux.to(model.fc.weight.dtype), next_ids, steps, doc=batch.doc,
+                pos=batch.pos)
+    total, stats = 0.0, []
+    for j, lg in enumerate(out):
+        L = T - 1 - j
+        m = valid[:, 1 + j:] & (batch.doc[:, :L] == batch.doc[:, 1 + j:])
+        q = probs[:, 1 + j:]
+        logp = torch.log_softmax(lg[:, :L].to(q.dtype), -1)
+        ce = -(q * logp).sum(-1)
+        if kind == "kl":
+            ce = ce + (q * torch.log(q.clamp_min(1e-20))).sum(-1)
+        n = m.sum()
+        loss = (ce * m).sum() / n.clamp_min(1)
+        correct = ((lg[:, :L].argmax(-1) == q.argmax(-1)) & m).sum()
+        total = total + weights[j] * loss
+        stats.append(torch.stack([loss.detach().float(), correct.float(), n.float()]))
+    return total, torch.stack(stats)

@@ -1,0 +1,99 @@
+"""The TTT attention without T x T tensors: flex_attention over the step-0 keys, merged with the
+chain's own (diagonal) keys through the log-sum-exp.
+
+Chain t at step j attends to the step-0 keys s <= t of its own document, and to its own keys
+of steps 1..j (one per step, at the same t). Split the softmax over those two key sets:
+
+    out = (exp(lse0) * o0 + sum_i exp(s_i) * v_i) / (exp(lse0) + sum_i exp(s_i))
+
+where (o0, lse0) is block-sparse flex_attention over the step-0 keys (causal + document mask:
+fully masked blocks are skipped, so packing costs no compute across documents) and
+s_i = q . k_i / sqrt(hd) is a per-position dot product. Every step calls flex_attention with the
+same shapes and the same block mask (built once per batch), so it compiles once; the diagonal
+part is O(T * j). Grouped-query heads are broadcast, never copied. `drafter.ttt_attention` is
+the dense reference the tests hold this to (gradients flow through lse0 too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+try:  # torch >= 2.9 returns the log-sum-exp this way; older versions through return_lse
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
+
+_compiled = None
+
+
+def _flex():
+    """flex_attention compiled once per process on CUDA (the eager version materialises the
+    scores: right on small CPU inputs, but O(T^2) memory)."""
+    global _compiled
+    if _compiled is None:
+        import torch._dynamo
+
+        # One compile per (shape, number of diagonal keys); more than dynamo's default limit
+        # of 8 would fall back to eager silently and run out of memory at long context.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 512)
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def document_block_mask(doc: torch.Tensor, num_heads: int | None = None):
+    """Causal + same-document block mask for packed rows. doc: (B, T) document index per
+    token, -1 on padding (padding attends to padding, so no row is empty)."""
+    B, T = doc.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    return create_block_mask(mask_mod, B, None, T, T, device=doc.device,
+                             _compile=doc.is_cuda)
+
+
+def _with_lse(attn, q, k, v, block_mask):
+    """-> (out, lse) from flex_attention, in the API of the installed torch."""
+    gqa = k.shape[1] != q.shape[1]
+    if AuxRequest is None:
+        return attn(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+    out, aux = attn(q, k, v, block_mask=block_mask, enable_gqa=gqa,
+                    return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask):
+    """q: (B, nh, T, hd); k0, v0 and each of ks/vs: (B, nkv, T, hd). Same result as
+    drafter.ttt_attention(q, k0, v0, ks, vs, doc) for the block mask of `doc`."""
+    attn = _flex() if q.is_cuda else flex_attention
+    o0, lse0 = _with_lse(attn, q, k0, v0, block_mask)
+    if not ks:
+        return o0
+    B, nh, T, hd = q.shape
+    nkv = k0.shape[1]
+    qg = q.view(B, nkv, nh // nkv, T, hd)  # heads grouped by their KV head: no copy of K/V
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax weights in >= fp32
+    s = torch.stack([(qg * k[:, :, None]).sum(-1) for k in ks], -1).to(acc)
+    s = s * (1.0 / math.sqrt(hd))  # (B, nkv, rep, T, j)
+    lse0 = lse0.view(B, nkv, nh // nkv, T).to(acc)
+    m = torch.maximum(lse0, s.amax(-1))
+    w0 = torch.exp(lse0 - m)
+    wd = torch.exp(s - m[..., None])
+    z = w0 + wd.sum(-1)
+    out = o0.view(B, nkv, nh // nkv, T, hd) * (w0 / z)[..., None].to(q.dtype)
+    wd = (wd / z[..., None]).to(q.dtype)
+    for i, v in enumerate(vs):
+        out = out + wd[..., i, None] * v[:, :, None]
+    return out.view(B, nh, T, hd)
+
+
+def compiled_ttt_attention_flex():
+    """The whole TTT attention compiled (flex + the log-sum-exp merge fused), one graph per
+    number of diagonal keys."""
+    _flex()  # raises dynamo's recompile limits first
+    return torch.compile(ttt_attention_flex, dynamic=False)

@@ -1,0 +1,239 @@
+"""draftsmith_kernels.soft_ce: the reference against a float64 formula (CPU), the dispatcher, the
+benchmark script, and (on a GPU) the CUDA kernel against the reference."""
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import draftsmith_kernels.soft_ce as K
+
+REPO = Path(__file__).resolve().parents[1]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Output tolerance (rtol) by grad dtype: rounding to it dominates the fp32 arithmetic.
+GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+@pytest.fixture(autouse=True)
+def default_mode(monkeypatch):
+    monkeypatch.delenv(K.ENV, raising=False)
+    yield
+    K.use(None)
+
+
+def make_inputs(n, v, ldtype, tdtype, device="cpu", scale=4.0, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = (torch.randn(n, v, device=device, generator=g) * scale).to(ldtype)
+    target = (torch.randn(n, v, device=device, generator=g) * scale).to(tdtype)
+    row_scale = torch.rand(n, device=device, generator=g)
+    row_scale[1::3] = 0  # masked rows (not row 0, so N=1 keeps a gradient): grad exactly zero
+    return logits, target, row_scale
+
+
+def float64_expected(logits, target, row_scale):
+    """(ce, neg_entropy, pred, target_pred, grad) from the formulas, grad by autograd."""
+    l = logits.double().requires_grad_()
+    t = target.double()
+    p = torch.softmax(t, -1)
+    ce = torch.logsumexp(l, -1) - (p * l).sum(-1)
+    (row_scale.double() * ce).sum().backward()
+    neg_entropy = (p * torch.log_softmax(t, -1)).sum(-1)
+    return ce.detach(), neg_entropy, logits.argmax(-1), target.argmax(-1), l.grad
+
+
+def assert_matches(out, want, grad_dtype, atol=1e-4):
+    ce, neg_entropy, pred, target_pred, grad = out
+    assert ce.dtype == neg_entropy.dtype == torch.float32
+    assert pred.dtype == target_pred.dtype == torch.int64 and grad.dtype == grad_dtype
+    torch.testing.assert_close(ce.double(), want[0], rtol=1e-5, atol=atol)
+    torch.testing.assert_close(neg_entropy.double(), want[1], rtol=1e-5, atol=atol)
+    assert torch.equal(pred, want[2]) and torch.equal(target_pred, want[3])
+    torch.testing.assert_close(grad.double(), want[4].to(grad.dtype).double(),
+                               rtol=GRAD_RTOL[grad_dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("ldtype,tdtype", [(torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float32),
+                                           (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("v", [1, 2, 31, 1000])
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_ref_matches_float64_formula(n, v, ldtype, tdtype, inplace):
+    logits, target, row_scale = make_inputs(n, v, ldtype, tdtype, seed=n * 1000 + v)
+    want = float64_expected(logits, target, row_scale)
+    out = K.soft_ce_ref(logits, target, row_scale, inplace=inplace)
+    assert_matches(out, want, ldtype)
+    assert (out[4] is logits) == inplace
+    assert not out[4][1::3].any(), "rows with row_scale 0 have zero grad"
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7])
+def test_ref_chunks_cover_every_row(monkeypatch, chunk_rows):
+    v = 31
+    monkeypatch.setattr(K, "REF_CHUNK_ELEMENTS", chunk_rows * v + v // 2)
+    logits, target, row_scale = make_inputs(300, v, torch.float32, torch.float32)
+    assert_matches(K.soft_ce_ref(logits, target, row_scale),
+                   float64_expected(logits, target, row_scale), torch.float32)
+
+
+def test_argmax_ties_take_first_index():
+    logits = torch.tensor([[1.0, 5.0, 5.0, 2.0], [7.0, 7.0, 7.0, 7.0]])
+    target = torch.tensor([[3.0, 0.0, 3.0, 3.0], [0.0, 1.0, 0.0, 1.0]])
+    _, _, pred, target_pred, _ = K.soft_ce_ref(logits, target, torch.ones(2))
+    assert pred.tolist() == [1, 0] and target_pred.tolist() == [0, 1]
+
+
+def test_contract_errors():
+    logits, target, row_scale = make_inputs(4, 8, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="shape of logits"):
+        K.soft_ce(logits, target[:, :7], row_scale)
+    with pytest.raises(ValueError, match=r"row_scale must be \(N,\)"):
+        K.soft_ce(logits, target, row_scale[:3])
+    with pytest.raises(TypeError, match="target_logits must be"):
+        K.soft_ce(logits, target.half(), row_scale)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.soft_ce(logits.t(), target.t(), torch.ones(8), inplace=True)
+
+
+def test_cpu_tensors_use_the_reference_silently(monkeypatch, recwarn):
+    def no_build():
+        raise AssertionError("CPU tensors must not build the kernel")
+
+    monkeypatch.setattr(K, "_extension", no_build)
+    logits, target, row_scale = make_inputs(5, 31, torch.bfloat16, torch.float32)
+    got, want = K.soft_ce(logits, target, row_scale), K.soft_ce_ref(logits, target, row_scale)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not [w for w in recwarn if "draftsmith_kernels" in str(w.message)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+@pytest.mark.parametrize("how", ["use", "env"])
+def test_forcing_cuda_without_a_gpu_raises(monkeypatch, how):
+    if how == "use":
+        K.use("cuda")
+    else:
+        monkeypatch.setenv(K.ENV, "cuda")
+    logits, target, row_scale = make_inputs(2, 3, torch.float32, torch.float32)
+    with pytest.raises(RuntimeError, match="CUDA kernel is unavailable: no CUDA device"):
+        K.soft_ce(logits, target, row_scale)
+    assert not K.available() and K.status() == "reference (no CUDA device)"
+
+
+def test_mode_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="one of"):
+        K.use("fast")
+    monkeypatch.setenv(K.ENV, "fast")
+    with pytest.raises(ValueError, match=K.ENV):
+        K.status()
+    K.use("ref")  # the override wins over the environment
+    assert K.status().startswith("reference (forced")
+
+
+def test_benchmark_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "benchmarks/soft_ce.py", "--device", "cpu", "--n", "64",
+                    "--v", "100", "--json", str(out)], cwd=REPO, check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert {"n", "v", "kernel_ms", "ref_ms", "ratio", "bytes_moved", "achieved_GBps",
+            "bytes_counted"} <= result.keys()
+    assert result["n"] == 64 and result["ref_ms"] > 0 and result["kernel_ms"] is None
+
+
+def test_every_src_package_is_listed_in_pyproject():
+    # package-dir maps kernels/ to draftsmith_kernels, which rules out packages.find: a new
+    # src/ subpackage left off the list would be missing from wheels.
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    found = {".".join(p.parent.relative_to(REPO / "src").parts)
+             for p in (REPO / "src").rglob("__init__.py")}
+    assert found <= listed
+
+
+# --- GPU: the kernel against the reference ------------------------------------------------
+
+def poison_allocator(*nbytes):
+    """Leave all-ones bytes (NaN as floats, -1 as int64) in freed blocks of these sizes, which the
+    kernel's outputs are then carved from: an element it never writes cannot pass."""
+    for size in nbytes:
+        torch.full((size,), 255, dtype=torch.uint8, device="cuda")
+
+
+def run_kernel(logits, target, row_scale, inplace):
+    if not inplace:  # inplace output is the logits buffer: unwritten elements stay logits
+        n = logits.shape[0]
+        poison_allocator(4 * n, 4 * n, 8 * n, 8 * n, logits.numel() * logits.element_size())
+    return K.soft_ce(logits, target, row_scale, inplace=inplace)
+
+
+def assert_kernel_matches_ref(logits, target, row_scale, inplace):
+    want = K.soft_ce_ref(logits, target, row_scale)  # not inplace: logits stay for the kernel
+    K.use("cuda")
+    got = run_kernel(logits, target, row_scale, inplace)
+    assert got[4].dtype == logits.dtype and (got[4] is logits) == inplace
+    for name, g in zip(["ce", "target_neg_entropy", "grad"], [got[0], got[1], got[4]]):
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    torch.testing.assert_close(got[4].float(), want[4].float(),
+                               rtol=GRAD_RTOL[logits.dtype], atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("tdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ldtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("v", [1, 31, 32000, 32001, 128256])
+@pytest.mark.parametrize("n", [1, 3, 1000, 4099])
+def test_kernel_matches_ref(n, v, ldtype, tdtype, inplace):
+    inputs = make_inputs(n, v, ldtype, tdtype, device="cuda", seed=n * 1000 + v)
+    assert_kernel_matches_ref(*inputs, inplace)
+
+
+def misaligned(x):
+    """A contiguous copy of x one element past an aligned base: the kernel's scalar path."""
+    out = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+    assert out.data_ptr() % 16
+    return out.copy_(x)
+
+
+@gpu
+@pytest.mark.parametrize("ldtype,tdtype", [(torch.bfloat16, torch.float32),
+                                           (torch.float32, torch.bfloat16)])
+def test_kernel_rows_not_16_byte_aligned(ldtype, tdtype):
+    logits, target, row_scale = make_inputs(7, 32000, ldtype, tdtype, device="cuda")
+    logits, target = misaligned(logits), misaligned(target)
+    assert_kernel_matches_ref(logits, target, row_scale, inplace=False)
+    assert_kernel_matches_ref(logits, target, row_scale, inplace=True)
+
+
+@gpu
+@pytest.mark.parametrize("ldtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_large_logits_stay_finite(ldtype):
+    logits, target, row_scale = make_inputs(64, 32000, ldtype, torch.float32, device="cuda",
+                                            scale=120.0)  # randn * 30 * 4
+    assert_kernel_matches_ref(logits, target, row_scale, inplace=False)
+
+
+@gpu
+def test_kernel_argmax_ties_take_first_index():
+    # fp32: 4 columns a vector, 2048 a sweep of 512 threads. Tied maxima in other threads,
+    # in later sweeps of the same thread, and within one vector.
+    logits = torch.zeros(3, 32000, device="cuda")
+    target = torch.zeros(3, 32000, device="cuda")
+    for row, cols in enumerate([[5000, 2053, 31000, 5], [4101, 4100], [9, 8, 31999]]):
+        logits[row, cols] = 3.0
+        target[row, cols[::-1]] = 2.0
+    K.use("cuda")
+    _, _, pred, target_pred, _ = K.soft_ce(logits, target, torch.ones(3, device="cuda"))
+    assert pred.tolist() == [5, 4100, 8] and target_pred.tolist() == [5, 4100, 8]
+
+
+@gpu
+def test_cuda_tensors_use_the_kernel():
+    assert K.available() and K.status() == "cuda kernel"

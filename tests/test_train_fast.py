@@ -1,0 +1,232 @@
+"""The fast training path (packed rows, flex attention, chunked target, fused loss) against the
+plain reference, and the pieces it is built from. CPU tests run in float64 with the PyTorch
+reference of the kernel; the GPU tests compare the real fast path (bf16, compiled, CUDA kernel)
+with the reference on the same batch."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.train.data import Batch, pack
+from draftsmith.train.loss import target_view, ttt_loss, ttt_loss_reference
+
+V, VD, HT = 50, 20, 24
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def drafter(dtype=torch.float64, nh=4, nkv=2, seed=0, **shape):
+    torch.manual_seed(seed)
+    c = DrafterConfig(**{**dict(hidden_size=32, target_hidden_size=HT, num_heads=nh,
+                                num_kv_heads=nkv, head_dim=8, intermediate_size=64,
+                                vocab_size=V, draft_vocab_size=VD, aux_layers=(2, 4, 5)),
+                         **shape})
+    m = Eagle3Drafter(c).to(dtype)
+    for p in m.parameters():  # far from the identity-ish init, so errors would show
+        torch.nn.init.normal_(p, std=0.3)
+    draft = torch.randperm(c.vocab_size)[:c.draft_vocab_size].sort().values
+    m.d2t.copy_(draft - torch.arange(c.draft_vocab_size))
+    m.t2d.zero_()
+    m.t2d[draft] = True
+    return m
+
+
+def packed_batch(lengths, seq_len, dtype=torch.float64, rows=1, seed=1, ht=HT, vocab=V):
+    """`rows` rows, each packing samples of `lengths` end to end, padding after."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = rows, seq_len
+    doc = torch.full((B, T), -1)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    for r in range(B):
+        at = 0
+        for d, n in enumerate(lengths):
+            doc[r, at:at + n], pos[r, at:at + n] = d, torch.arange(n)
+            at += n
+    return Batch(aux=torch.randn(B, T, 3 * ht, generator=g, dtype=dtype),
+                 final=torch.randn(B, T, ht, generator=g, dtype=dtype) * 3,
+                 ids=torch.randint(0, vocab, (B, T), generator=g),
+                 loss_mask=torch.rand(B, T, generator=g) < 0.8, doc=doc, pos=pos)
+
+
+def one_sample(batch: Batch, r: int, d: int) -> Batch:
+    keep = batch.doc[r] == d
+    return Batch(batch.aux[r:r + 1, keep], batch.final[r:r + 1, keep], batch.ids[r:r + 1, keep],
+                 batch.loss_mask[r:r + 1, keep], torch.zeros(1, int(keep.sum()), dtype=torch.long),
+                 torch.arange(int(keep.sum()))[None])
+
+
+def head_for(model, dtype=torch.float64, seed=2, ht=HT):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(model.config.vocab_size, ht, generator=g, dtype=dtype)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_rows_train_each_sample_as_if_alone():
+    """Document mask + per-document positions: a sample packed behind others gets exactly the
+    per-step logits it gets alone."""
+    m = drafter()
+    batch = packed_batch([5, 9, 4], 20)
+    steps = 3
+    packed = m(batch.aux, F.pad(batch.ids[:, 1:], (0, steps + 1)), steps, doc=batch.doc,
+               pos=batch.pos)
+    for d in range(3):
+        alone = one_sample(batch, 0, d)
+        ref = m(alone.aux, F.pad(alone.ids[:, 1:], (0, steps + 1)), steps)
+        at = (batch.doc[0] == d).nonzero()[:, 0]
+        for j in range(steps):
+            # chains whose inputs stay inside the sample (the rest are never counted)
+            inside = len(at) - 1 - j
+            torch.testing.assert_close(packed[j][0, at[:inside]], ref[j][0, :inside],
+                                       rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["soft_ce", "kl"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_loss_matches_reference(kind, rows):
+    """Chunked target, fused linear + soft-CE (the kernel's PyTorch reference on the CPU)
+    against full logits + autograd: loss, per-step stats and every gradient, in float64."""
+    m = drafter()
+    batch = packed_batch([7, 3, 12, 6], 31, rows=rows)
+    head = head_for(m)
+    draft_ids = m.d2t + torch.arange(VD)
+    steps, weights = 4, [1.0, 0.8, 0.64, 0.512]
+    ref_loss, ref_stats = ttt_loss_reference(m, batch, head, draft_ids, m.t2d, steps, weights,
+                                             kind)
+    ref_loss.backward()
+    ref_grads = _grads(m)
+    m.zero_grad()
+    view = target_view(batch, head, draft_ids, m.t2d, chunk=5)  # several chunks
+    loss, stats = ttt_loss(m, batch, view, steps, weights, kind, dtype=torch.float64, chunk=7)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(stats, ref_stats, rtol=1e-6, atol=0)  # fp32 metrics
+    assert stats[:, 2].min() > 0  # every step counted positions: the test tests something
+    for name, g in _grads(m).items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_flex_attention_forward_matches_reference_on_cpu():
+    """The flex path's mask and log-sum-exp merge (forward; PyTorch has no flex backward on
+    the CPU, the GPU test below covers gradients)."""
+    from draftsmith.ttt_flex import document_block_mask, ttt_attention_flex
+
+    m = drafter(nh=4, nkv=1)
+    batch = packed_batch([40, 17, 60], 130, rows=2)
+    mask = document_block_mask(batch.doc)
+    next_ids = F.pad(batch.ids[:, 1:], (0, 5))
+    with torch.no_grad():
+        ref = m.unroll(batch.aux, next_ids, 4, doc=batch.doc, pos=batch.pos)
+        fast = m.unroll(batch.aux, next_ids, 4, doc=batch.doc, pos=batch.pos,
+                        attend=lambda q, k0, v0, ks, vs: ttt_attention_flex(q, k0, v0, ks, vs,
+                                                                            mask))
+    for a, b in zip(ref, fast):
+        real = batch.doc >= 0
+        torch.testing.assert_close(a[real], b[real], rtol=0, atol=1e-10)
+
+
+def test_target_view_never_needs_the_whole_vocab_at_once():
+    m = drafter()
+    batch = packed_batch([9, 9], 20, rows=2)
+    head = head_for(m)
+    draft_ids = m.d2t + torch.arange(VD)
+    a = target_view(batch, head, draft_ids, m.t2d, chunk=3)
+    b = target_view(batch, head, draft_ids, m.t2d, chunk=10_000)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-12, atol=1e-12)
+    assert torch.equal(a.valid, b.valid)
+    assert not a.valid[batch.doc < 0].any()
+
+
+def test_pack_fits_every_sample_once_within_the_budget():
+    rng = random.Random(0)
+    lengths = {i: rng.randint(1, 100) for i in range(500)}
+    rows = pack(lengths, 128, random.Random(1))
+    assert sorted(i for r in rows for i in r) == sorted(lengths)
+    assert all(sum(lengths[i] for i in r) <= 128 for r in rows)
+    used = sum(lengths.values()) / (128 * len(rows))
+    assert used > 0.9, used  # rows are nearly full: little compute on padding
+    assert rows == pack(lengths, 128, random.Random(1))  # resumable: same seed, same rows
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu_case(T, nh=32, nkv=8, hd=128, H=4096, I=14336, Vd=32000, seed=0):
+    """An 8B-shaped drafter (fp32 master weights) and one packed row on the GPU."""
+    torch.manual_seed(seed)
+    m = drafter(torch.float32, nh=nh, nkv=nkv, seed=seed, hidden_size=H,
+                target_hidden_size=H, head_dim=hd, intermediate_size=I, vocab_size=2 * Vd,
+                draft_vocab_size=Vd)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    lengths = [T // 2, T // 4, T // 4 - 3]
+    batch = packed_batch(lengths, T, dtype=torch.bfloat16, ht=H, vocab=2 * Vd)
+    return m.cuda(), batch.to("cuda"), head_for(m, torch.bfloat16, ht=H).cuda()
+
+
+@cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_fast_path_matches_reference_in_bf16(compile):
+    """Same batch, same weights: flex attention + CUDA soft-CE kernel under bf16 autocast vs
+    the dense reference under bf16 autocast. Loss and gradients agree within bf16 rounding."""
+    from draftsmith.ttt_flex import (compiled_ttt_attention_flex, document_block_mask,
+                                     ttt_attention_flex)
+
+    m, batch, head = _gpu_case(1024, H=1024, I=2048, nh=8, nkv=2, Vd=4000)
+    draft_ids = m.d2t + torch.arange(len(m.d2t), device="cuda")
+    steps, weights = 7, [0.8 ** j for j in range(7)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss, ref_stats = ttt_loss_reference(m, batch, head, draft_ids, m.t2d, steps,
+                                                 weights, "soft_ce")
+    ref_loss.backward()
+    ref = _grads(m)
+    m.zero_grad()
+    attn = compiled_ttt_attention_flex() if compile else ttt_attention_flex
+    mask = document_block_mask(batch.doc)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        view = target_view(batch, head, draft_ids, m.t2d)
+        loss, stats = ttt_loss(m, batch, view, steps, weights, "soft_ce",
+                               attend=lambda q, k0, v0, ks, vs: attn(q, k0, v0, ks, vs, mask),
+                               dtype=torch.bfloat16)
+    loss.backward()
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    assert torch.equal(stats[:, 2], ref_stats[:, 2])  # the same positions counted
+    for name, g in _grads(m).items():
+        rel = (g - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
+        assert rel < 5e-2, (name, float(rel))
+
+
+def test_runtime_refuses_impossible_devices_before_any_work(monkeypatch):
+    from draftsmith.config import TrainConfig
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.train.loop import Runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DraftsmithError, match="no GPU is visible"):
+        Runtime.resolve(TrainConfig(device="cuda"))
+    with pytest.raises(DraftsmithError, match="flex needs a GPU"):
+        Runtime.resolve(TrainConfig(attention="flex"))
+    rt = Runtime.resolve(TrainConfig())  # auto on a CPU machine: the embedded default's path
+    assert (rt.device.type, rt.dtype, rt.attention, rt.compile) == \
+        ("cpu", torch.float32, "reference", False)
+
+
+def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
+    """benchmarks/train_ttt.py keeps working between GPU runs: its toy preset on the CPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_ttt.py"
+    subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
+                    "--lengths", "64", "--iters", "1", "--json", str(tmp_path / "r.json")],
+                   check=True, capture_output=True, timeout=600)
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert {r["kind"] for r in out["results"]} == {"naive", "reference", "fast"}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in out["results"])
