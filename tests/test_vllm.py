@@ -228,4 +228,8 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
     REPORT.append(f"vLLM acceptance length by export: {al}")
     assert abs(al["good"] - served) <= 0.02 * served  # the stage's figure, reproduced
     assert al["wrong aux ids"] < al["good"] - 0.1
-    assert al["no d2t"] < 1.2 < al["good"]
+    # Without d2t the engine reads draft id i as target id i: only the draft tokens whose id
+    # happens to equal their index still land (47 of 256 in the embedded default), so most of
+    # the drafter's gain is lost.
+    assert al["good"] > 1.2
+    assert al["no d2t"] - 1 < 0.25 * (al["good"] - 1)
