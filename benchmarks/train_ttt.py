@@ -15,7 +15,9 @@ a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
   fused lm_head + soft cross-entropy, torch.compile).
 - naive: fc + one Llama layer over [emb; h], 7 unrolled steps with plain causal attention (no
   TTT pattern), hard-label CE over the draft vocab, no compile: the field's usual baseline.
-All: bf16 autocast, fp32 master weights, AdamW, gradient clipping.
+- naive_bf16 (only when asked for): the same with bf16 weights and optimizer state instead of
+  fp32 master weights, to tell how much of a baseline figure is that choice.
+All others: bf16 autocast, fp32 master weights, AdamW, gradient clipping.
 
 FLOPs per token (the `mfu` column): 6 x the drafter's matmul parameters per step x steps (fc
 once) + 2 x the target head (forward only) + causal attention; over the bf16 matmul ceiling
@@ -74,7 +76,7 @@ def naive_loss(m, batch, steps):
     """No TTT attention: each step is an ordinary causal layer over its own keys."""
     B, T = batch.ids.shape
     next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))
-    h = m.fc(batch.aux.float())
+    h = m.fc(batch.aux.to(m.fc.weight.dtype))
     total = 0.0
     for j in range(steps):
         x = m.midlayer.inputs(m.embed_tokens(next_ids[:, j:j + T]), h)
@@ -87,13 +89,15 @@ def naive_loss(m, batch, steps):
     return total
 
 
-def run_case(kind, p, T, device, iters):
+def run_case(kind, p, T, device, iters, profile: Path | None = None):
     from draftsmith.config import TrainConfig
     from draftsmith.train.loop import Runtime, TargetHead, Trainer
     from draftsmith.train.loss import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
     m = make_drafter(p, device)
+    if kind == "naive_bf16":
+        m = m.to(torch.bfloat16)
     batch = make_batch(p, T, rows, device)
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
     cfg = TrainConfig(ttt_steps=p["steps"], seq_len=T, batch_size=rows)
@@ -134,6 +138,8 @@ def run_case(kind, p, T, device, iters):
             step()
         sync()
         seconds = (time.perf_counter() - t0) / iters
+        if profile is not None:
+            write_profile(step, sync, device, profile / f"profile_{kind}_T{T}.txt")
     except torch.OutOfMemoryError:
         return {"kind": kind, "T": T, "rows": rows, "status": "out of memory"}
     finally:
@@ -144,6 +150,20 @@ def run_case(kind, p, T, device, iters):
         out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         torch.cuda.empty_cache()
     return out
+
+
+def write_profile(step, sync, device, path: Path, steps: int = 2) -> None:
+    """Where a step's time goes: the top operators by device time, over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
 def flops_per_token(p, T):
@@ -203,6 +223,7 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="*", default=["naive", "reference", "fast"])
     ap.add_argument("--iters", type=int)
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--profile", type=Path, help="also write each case's operator profile here")
     args = ap.parse_args(argv)
     p = dict(PRESETS[args.preset])
     device = torch.device(args.device)
@@ -210,7 +231,7 @@ def main(argv=None):
     results = []
     for T in args.lengths or p["lengths"]:
         for kind in args.kinds:
-            r = run_case(kind, p, T, device, args.iters or p["iters"])
+            r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile)
             if r["status"] == "ok" and ceiling:
                 r["mfu"] = round(r["tokens_per_s"] * flops_per_token(p, T) / ceiling, 3)
             results.append(r)

@@ -32,7 +32,7 @@ def toy_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def toy_tokenizer(toy_target):
-    from draftsmith.target import load_tokenizer
+    from draftsmith.target_info import load_tokenizer
 
     return load_tokenizer(toy_target)
 

@@ -1,11 +1,14 @@
-"""Reference tests per chat-template style: the toy's, Qwen3's, DeepSeek-R1's and a template
-without reasoning support; plus the seed story's bug, which the format check must catch."""
+"""Reference tests for the registry's families: the toy's, Qwen3's, DeepSeek-R1's and a template
+without reasoning support; plus the seed story's bug, which the format check must catch. Other
+families, read from their templates alone, are in test_chat_templates.py."""
 
 from pathlib import Path
 
 import pytest
 
-from draftsmith.chat_format import FORMATS, detect_format
+from draftsmith.chat_format import FORMATS
+from draftsmith.chat_probe import probe_format, resolve_format
+from draftsmith.config import ChatFormatSpec
 from draftsmith.errors import DraftsmithError
 from draftsmith.render import render_sample
 from draftsmith.toy.tokenizer import CHAT_TEMPLATE, train_tokenizer
@@ -43,7 +46,7 @@ def record(fmt, *, thinking=True, reasoning=REASONING, content=ANSWER, messages=
 ])
 def test_template_renders_what_the_model_emits(tokenizer, name, fmt, thinking):
     tok = with_template(tokenizer, name)
-    f = detect_format(tok.chat_template)
+    f = probe_format(tok)
     assert f.name == fmt
     rec = record(f, thinking=thinking, reasoning=REASONING if thinking else None)
     r = render_sample(tok, f, rec)
@@ -68,18 +71,23 @@ def test_qwen3_multi_turn_history_is_consistent(tokenizer):
     assert r.problems == [] and "old" not in r.prompt
 
 
-def test_deepseek_r1_prompt_opens_the_think_block(tokenizer):
-    tok = with_template(tokenizer, "deepseek_r1")
-    f = detect_format(tok.chat_template)
+def test_deepseek_r1_prompt_opens_the_think_block():
+    tok = train_tokenizer(["What is 12 + 30? 2 + 0 = 2 answer 42"] * 10, vocab_size=300)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]})
+    tok = with_template(tok, "deepseek_r1")
+    f = probe_format(tok)
     assert f.name == "deepseek-r1"
     rec = record(f)
-    r = render_sample(tok, f, rec, check_template=False)
+    r = render_sample(tok, f, rec)
     assert r.prompt.endswith("<｜Assistant｜><think>\n")
     assert r.response == f"{REASONING}\n</think>\n\n{ANSWER}<｜end▁of▁sentence｜>"
+    # R1's template re-renders the turn without "<think>\n" and without the reasoning; the
+    # check compares the answer it keeps (the wrapper is checked against the raw completion).
     assert r.problems == []
-    # R1's template re-renders the turn without "<think>\n" and without the reasoning, so the
-    # template check flags it (hence tokenize.check_template: false for R1 targets).
-    assert render_sample(tok, f, rec).problems == ["template_prompt_mismatch"]
+    wrong = record(f, content="41")
+    wrong["content"] = ANSWER  # the raw completion says 41: the stored answer was changed
+    assert render_sample(tok, f, wrong).problems == ["emission_mismatch"]
 
 
 def test_template_without_reasoning_rejects_reasoning(tokenizer):
@@ -122,6 +130,42 @@ def test_parse_inverts_emission(fmt):
     assert f.parse(cut, thinking=True) == (REASONING, "", False, False)
 
 
-def test_unknown_template_asks_for_chat_format():
-    with pytest.raises(DraftsmithError, match="target.chat_format"):
-        detect_format("{{ messages }}")
+def test_template_without_a_stop_token_asks_for_chat_format(tokenizer):
+    tok = with_template(tokenizer, "qwen3")
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(DraftsmithError, match="which token ends the model's turn") as err:
+        probe_format(tok)
+    assert "target.chat_format" in str(err.value)
+
+
+def test_declared_format_is_used_and_checked(tokenizer):
+    tok = with_template(tokenizer, "chatml")  # renders no reasoning: the probe cannot find it
+    assert not probe_format(tok).supports_reasoning
+    spec = ChatFormatSpec(reasoning_open="<think>\n", reasoning_close="\n</think>\n\n",
+                          end_of_turn="<|im_end|>", template_answer_prefix="")
+    f = resolve_format(spec, tok)
+    assert f.source == "params" and f.supports_reasoning
+    r = render_sample(tok, f, record(f))
+    assert r.problems == [] and r.response.startswith("<think>\n")
+    with pytest.raises(DraftsmithError, match="not one token"):
+        resolve_format(spec.model_copy(update={"end_of_turn": "<|eot|>"}), tok)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(reasoning_open="<think>", end_of_turn="<|im_end|>"), "go together"),
+    (dict(reasoning_open="<think>", reasoning_close="\n", end_of_turn="<|im_end|>"),
+     "only whitespace"),
+    (dict(reasoning_open="<think>", reasoning_close="</think>"), "end_of_turn"),
+    (dict(end_of_turn="<|im_end|>", think="<think>"), "think"),
+])
+def test_declared_format_is_validated(tmp_path, bad, match):
+    import yaml
+
+    from draftsmith.config import load_config
+    from draftsmith.errors import ConfigError
+
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"target": {"chat_format": bad}}))
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config(params)
+    print(err.value)

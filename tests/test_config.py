@@ -1,5 +1,6 @@
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from draftsmith.config import Config, default_aux_layers, load_config
 from draftsmith.errors import ConfigError
@@ -93,5 +94,5 @@ def test_default_aux_layers_follow_vllm():
 def test_sections_are_independent_objects():
     cfg = Config()
     assert set(Config.model_fields) >= {"target", "generate", "tokenize", "vocab", "hidden"}
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.generate.seed = 3  # frozen: stages cannot mutate shared config

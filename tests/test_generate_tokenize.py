@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from draftsmith import generate, tokenization
+from draftsmith import artifacts, generate, tokenization
 from draftsmith.atomic import read_jsonl, write_jsonl
 from draftsmith.config import GenerateConfig, TokenizeConfig
 from draftsmith.errors import DraftsmithError
@@ -48,7 +48,7 @@ def test_loss_mask_covers_exactly_the_response(raw_dir, toy_target, toy_tokenize
     metrics = tokenization.run(TokenizeConfig(), toy_target, raw_dir, tmp_path / "tok")
     assert metrics["format_check_pass_rate"] == 1.0
     recs = {r["id"]: r for r in read_jsonl(raw_dir / generate.SAMPLES_FILE)}
-    samples = list(tokenization.iter_samples(tmp_path / "tok"))
+    samples = list(artifacts.iter_samples(tmp_path / "tok"))
     assert len(samples) == metrics["samples_kept"] > 0
     for sid, ids, mask in samples:
         rec = recs[sid]

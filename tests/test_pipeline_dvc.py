@@ -52,6 +52,8 @@ def test_metrics_of_every_stage(repo):
     assert tok["format_check_pass_rate"] == 1.0 and tok["samples_kept"] > 0
     bench = json.loads((repo / "metrics/benchmark.json").read_text())
     assert bench["k"] == 3 and bench["samples"] == 6 and bench["acceptance_length"] >= 1.0
+    # The engine's outputs are the target's own at every temperature measured.
+    assert [r["lossless"]["lossless"] for r in bench["results"]] == [True] * len(bench["results"])
     assert json.loads((repo / "metrics/export.json").read_text())["vllm_aux_layer_ids"] == [2, 3, 4]
     target = json.loads((repo / "metrics/target.json").read_text())
     assert target["kind"] == "embedded" and target["heldout_loss"] < 3.0

@@ -7,14 +7,15 @@ import shlex
 
 import pytest
 
-from draftsmith.chat_format import FORMATS
+from draftsmith.chat_format import FORMATS, ChatFormat
 from draftsmith.config import ConfigError, ServerConfig, load_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.journal import Journal
 from draftsmith.serving import prometheus
 from draftsmith.serving.acceptance import Counters
 from draftsmith.serving.client import ChatClient, ChatRequest, RequestFailed, raw_completion
-from draftsmith.serving.server import ManagedServer, free_port, server_argv, speculative_args
+from draftsmith.serving.server import (ManagedServer, free_port, reasoning_parser, server_argv,
+                                       speculative_args)
 
 QWEN3, R1, CHATML = FORMATS["qwen3"], FORMATS["deepseek-r1"], FORMATS["chatml"]
 
@@ -111,16 +112,20 @@ def test_acceptance_from_vllm_counters():
 def test_vllm_and_sglang_command_lines(tmp_path):
     common = dict(model_dir=tmp_path / "my model", served_name="Qwen/Qwen3-8B", port=8123,
                   dtype="bfloat16", seed=7)
-    v = server_argv(ServerConfig(), chat_format="deepseek-r1", **common)
+    v = server_argv(ServerConfig(), chat_format=FORMATS["deepseek-r1"], **common)
     assert v[:3] == ["vllm", "serve", str(tmp_path / "my model")]  # a path with a space survives
     assert v[v.index("--host") + 1] == "127.0.0.1"  # bound to loopback unless configured
     assert v[v.index("--reasoning-parser") + 1] == "deepseek_r1"
-    s = server_argv(ServerConfig(engine="sglang", extra_args="--tp 8"), chat_format="qwen3",
+    s = server_argv(ServerConfig(engine="sglang", extra_args="--tp 8"), chat_format=FORMATS["qwen3"],
                     **common)
     assert s[:4] == ["python", "-m", "sglang.launch_server", "--model-path"]
     assert "--random-seed" in s and s[-2:] == ["--tp", "8"]
     assert "--reasoning-parser" not in s  # SGLang's parser may strip whitespace: keep it inline
-    assert "--reasoning-parser" not in server_argv(ServerConfig(), chat_format="chatml", **common)
+    assert "--reasoning-parser" not in server_argv(ServerConfig(), chat_format=FORMATS["chatml"],
+                                                   **common)
+    kimi = ChatFormat("template", "<|im_end|>", "<think>", "</think>", source="template")
+    magistral = ChatFormat("template", "</s>", "[THINK]", "[/THINK]", source="template")
+    assert reasoning_parser(kimi) == "qwen3" and reasoning_parser(magistral) is None
     spec = speculative_args("vllm", tmp_path, 3)
     assert json.loads(spec[1]) == {"method": "eagle3", "model": str(tmp_path),
                                    "num_speculative_tokens": 3}
@@ -161,7 +166,7 @@ def test_server_that_dies_at_start_fails_fast_with_its_log(tmp_path):
     server = ManagedServer(["python3", "-c", "import sys; print('bad flag --foo'); sys.exit(3)"],
                            host="127.0.0.1", port=free_port("127.0.0.1"),
                            log_file=tmp_path / "server.log", startup_timeout_s=60)
-    with pytest.raises(Exception) as err:
+    with pytest.raises(DraftsmithError) as err:
         server.start()
     assert "exited (code 3)" in str(err.value) and "bad flag --foo" in str(err.value)
 

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import export, generate, hidden, tokenization, train, vocab
-from draftsmith.artifacts import DRAFTER_WEIGHTS
+from draftsmith.checkpoint import DRAFTER_WEIGHTS
 from draftsmith.config import (ExportConfig, GenerateConfig, HiddenConfig, TokenizeConfig,
                                TrainConfig, VocabConfig)
 from draftsmith.errors import DraftsmithError
-from draftsmith.target import read_info
+from draftsmith.target_info import read_info
 from draftsmith.train.loop import Trainer
 
 TRAIN = TrainConfig(steps=60, seq_len=256, batch_size=2, lr=3e-3, ttt_steps=3, eval_samples=16,

@@ -225,8 +225,9 @@ def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_ttt.py"
     subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
-                    "--lengths", "64", "--iters", "1", "--json", str(tmp_path / "r.json")],
+                    "--lengths", "64", "--iters", "1", "--json", str(tmp_path / "r.json"),
+                    "--kinds", "naive", "naive_bf16", "reference", "fast"],
                    check=True, capture_output=True, timeout=600)
     out = json.loads((tmp_path / "r.json").read_text())
-    assert {r["kind"] for r in out["results"]} == {"naive", "reference", "fast"}
+    assert {r["kind"] for r in out["results"]} == {"naive", "naive_bf16", "reference", "fast"}
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in out["results"])

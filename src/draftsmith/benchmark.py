@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.artifacts import SAMPLES_FILE
 from draftsmith.atomic import read_jsonl
 from draftsmith.config import BenchmarkConfig, ServerConfig
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.generate import SAMPLES_FILE
+from draftsmith.lossless import check_greedy, check_sampled
 from draftsmith.prompts import builtin_prompts, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.speculative import Eagle3Proposer, SpecStats, generate
@@ -84,22 +85,32 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
     """Measure acceptance with each engine in `cfg.engines` on the same held-out prompts.
     The top-level keys are the first engine's; `by_engine` holds every engine's. The
     reference engine runs on `device` (None: CUDA when there is one, else the CPU)."""
-    from draftsmith.target import read_info
+    from draftsmith.target_info import read_info
 
     info = read_info(target_dir)
     prompts, excluded = held_out_prompts(cfg, raw_dir)
     if "vllm" in cfg.engines:
         _check_vllm_setup(server or ServerConfig(), export_dir)
+    judge = TargetJudge(cfg, target_dir, prompts, device)
     by_engine, baseline = {}, None
     for engine in cfg.engines:
         if engine == "reference":
-            results, baseline = reference_acceptance(cfg, target_dir, drafter_dir, prompts,
-                                                     device)
+            results, baseline = reference_acceptance(cfg, judge, drafter_dir)
         else:
-            results, _ = vllm_acceptance(cfg, server or ServerConfig(), target_dir,
-                                         Path(export_dir) / "vllm", prompts,
-                                         Path(work_dir or "data/benchmark.work"))
+            results, outputs = vllm_acceptance(cfg, server or ServerConfig(), target_dir,
+                                               Path(export_dir) / "vllm", prompts,
+                                               Path(work_dir or "data/benchmark.work"))
+            for r in results:
+                ids = [outputs[r["temperature"]][p.id] for p in prompts]
+                r["lossless"] = judge.verdict(ids, r["temperature"])
         by_engine[engine] = results
+    broken = {e: [r["temperature"] for r in rs if r["lossless"]["lossless"] is False]
+              for e, rs in by_engine.items()}
+    broken = {e: ts for e, ts in broken.items() if ts}
+    for engine, temps in broken.items():
+        print(f"benchmark: {engine} IS NOT LOSSLESS at T={temps}: its outputs are not the "
+              "target's own (evidence under results[].lossless in metrics/benchmark.json), so "
+              "its acceptance figures there are not a speed-up of this target")
     gaps = engine_gaps(by_engine)
     for temp, values in gaps.items():
         print(f"benchmark: WARNING engines disagree at T={temp}: {values} (acceptance length); "
@@ -119,8 +130,12 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
         "engine": cfg.engines[0],
         "results": first,
         # One row per engine and temperature: what `dvc metrics show` puts side by side.
-        "by_engine": {e: {f"T{r['temperature']}": r["acceptance_length"] for r in rs}
-                      for e, rs in by_engine.items()},
+        # (an engine whose outputs are not the target's shows "not lossless", not a figure)
+        "by_engine": {e: {f"T{r['temperature']}": "not lossless"
+                          if r["lossless"]["lossless"] is False else r["acceptance_length"]
+                          for r in rs} for e, rs in by_engine.items()},
+        "not_lossless": broken,
+        "by_engine_results": {e: rs for e, rs in by_engine.items() if e != cfg.engines[0]},
         "target": info.model,
         # Temperatures where the engines differ by more than 10% (empty: they agree).
         "engines_disagree_at": sorted(gaps),
@@ -141,34 +156,67 @@ def engine_gaps(by_engine: dict[str, list[dict]], tolerance: float = 0.10) -> di
             if len(v) > 1 and max(v.values()) > (1 + tolerance) * min(v.values())}
 
 
-def reference_acceptance(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, prompts,
-                         device: str | None = None) -> tuple[list[dict], dict]:
-    """The reference engine (speculative.py) at each temperature, plus a random drafter, on
-    `device` (None: CUDA when there is one). The drafter takes the target's device and dtype."""
-    from draftsmith.artifacts import load_drafter
-    from draftsmith.target import load_model, load_tokenizer, read_info
+class TargetJudge:
+    """The target in process, on the benchmark's prompts: runs the reference engine and judges
+    every engine's outputs against the target itself (lossless.py). Loaded once per run."""
 
-    info = read_info(target_dir)
-    tokenizer = load_tokenizer(target_dir)
-    model = load_model(target_dir, device=device)
-    if model.device.type == "cpu":
-        model = model.float()  # CPU kernels for bf16/fp16 are slow, or missing
+    def __init__(self, cfg: BenchmarkConfig, target_dir: Path, prompts, device: str | None):
+        from draftsmith.target_info import load_model, load_tokenizer, read_info
+
+        self.cfg = cfg
+        tokenizer = load_tokenizer(target_dir)
+        self.model = load_model(target_dir, device=device)
+        if self.model.device.type == "cpu":
+            self.model = self.model.float()  # CPU kernels for bf16/fp16 are slow, or missing
+        self.prompt_ids = [tokenizer(prompt_text(tokenizer, p.messages, cfg.thinking),
+                                     add_special_tokens=False)["input_ids"] for p in prompts]
+        self.eos = tokenizer.convert_tokens_to_ids(read_info(target_dir).format.end_of_turn)
+        self._greedy: list[list[int]] | None = None
+
+    def greedy(self) -> list[list[int]]:
+        """The target alone, greedy, through transformers' own generate: the T=0 reference,
+        from code that shares nothing with the speculative engines."""
+        if self._greedy is None:
+            self._greedy = []
+            for ids in tqdm(self.prompt_ids, desc="benchmark target alone", unit="prompt"):
+                x = torch.tensor([ids], device=self.model.device)
+                y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                        max_new_tokens=self.cfg.max_new_tokens,
+                                        eos_token_id=self.eos, pad_token_id=self.eos)
+                y = y[0, len(ids):].tolist()
+                self._greedy.append(y[: y.index(self.eos) + 1] if self.eos in y else y)
+        return self._greedy
+
+    def verdict(self, outputs: list[list[int]], temperature: float) -> dict:
+        """Are these outputs (token ids, one list per prompt) the target's own at
+        `temperature`?"""
+        if temperature == 0:
+            return check_greedy(self.model, self.prompt_ids, self.greedy(), outputs)
+        return check_sampled(self.model, self.prompt_ids, outputs, temperature,
+                             seed=self.cfg.seed)
+
+
+def reference_acceptance(cfg: BenchmarkConfig, judge: TargetJudge, drafter_dir: Path
+                         ) -> tuple[list[dict], dict]:
+    """The reference engine (speculative.py) at each temperature, plus a random drafter, on
+    the judge's target (its device and dtype)."""
+    from draftsmith.checkpoint import load_drafter
+
+    model = judge.model
     drafter = load_drafter(drafter_dir, model.get_input_embeddings().weight)
     drafter = drafter.to(model.device, model.dtype)
-    aux_layers = list(drafter.config.aux_layers)
-    prompt_ids = [tokenizer(prompt_text(tokenizer, p.messages, cfg.thinking),
-                            add_special_tokens=False)["input_ids"] for p in prompts]
-    eos = tokenizer.convert_tokens_to_ids(info.format.end_of_turn)
-    common = dict(k=cfg.num_speculative_tokens, aux_layers=aux_layers,
-                  max_new_tokens=cfg.max_new_tokens, eos_id=eos, seed=cfg.seed)
+    common = dict(k=cfg.num_speculative_tokens, aux_layers=list(drafter.config.aux_layers),
+                  max_new_tokens=cfg.max_new_tokens, eos_id=judge.eos, seed=cfg.seed)
     results = []
     for temp in cfg.temperatures:
         t0 = time.time()
-        summary, _ = measure(model, Eagle3Proposer(drafter), prompt_ids, temperature=temp,
-                             desc=f"benchmark T={temp}", **common)
-        results.append({"temperature": temp, **summary, "wall_s": round(time.time() - t0, 1)})
-    baseline, _ = measure(model, Eagle3Proposer(random_drafter(drafter, cfg.seed)), prompt_ids,
-                          temperature=0.0, desc="benchmark random drafter", **common)
+        summary, outputs = measure(model, Eagle3Proposer(drafter), judge.prompt_ids,
+                                   temperature=temp, desc=f"benchmark T={temp}", **common)
+        results.append({"temperature": temp, **summary, "wall_s": round(time.time() - t0, 1),
+                        "lossless": judge.verdict(outputs, temp)})
+    baseline, _ = measure(model, Eagle3Proposer(random_drafter(drafter, cfg.seed)),
+                          judge.prompt_ids, temperature=0.0, desc="benchmark random drafter",
+                          **common)
     return results, baseline
 
 
@@ -186,11 +234,11 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
                     draft_dir: Path, prompts, work_dir: Path) -> tuple[list[dict], dict]:
     """Serve the target with the exported drafter in vLLM, send the prompts at each
     temperature, and read acceptance from vLLM's counters. Returns the per-temperature
-    results and the completions ({temperature: {prompt id: text}})."""
+    results and the outputs ({temperature: {prompt id: emitted token ids}})."""
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
     from draftsmith.serving.server import serve_target, speculative_args
-    from draftsmith.target import read_info
+    from draftsmith.target_info import read_info
 
     k = cfg.num_speculative_tokens
     fmt = read_info(target_dir).format
@@ -200,7 +248,10 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
         client = ChatClient(server, urls, fmt)
         try:
             for temp in cfg.temperatures:
+                # Token ids come back with the text (vLLM: `token_id:<id>`), so the judge reads
+                # exactly what was emitted.
                 body = {"max_tokens": cfg.max_new_tokens, "temperature": temp,
+                        "logprobs": True, "return_tokens_as_token_ids": True,
                         "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
                 reqs = [ChatRequest(p.id, p.messages, {**body, "seed": cfg.seed + i})
                         for i, p in enumerate(prompts)]
@@ -212,7 +263,12 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
                 tokens = sum(o.num_tokens for o in outs.values())
                 results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
                                 "tokens_per_s": round(tokens / wall, 1)})
-                texts[temp] = {i: o.text for i, o in outs.items()}
+                texts[temp] = {i: o.token_ids for i, o in outs.items()}
+                if any(ids is None for ids in texts[temp].values()):
+                    raise DraftsmithError(
+                        "the server returned no token ids with its outputs, so they cannot be "
+                        "checked against the target",
+                        "serve with vLLM (it honours logprobs + return_tokens_as_token_ids)")
         finally:
             client.close()
     return results, texts

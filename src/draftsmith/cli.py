@@ -55,7 +55,7 @@ def validate_export(export_dir: Path = typer.Argument(..., help="an engine expor
     """Check an EAGLE-3 export (keys, shapes, dtypes, d2t offsets, aux layer ids) against the
     target; exit 2 naming every problem."""
     from draftsmith.export import validate
-    from draftsmith.target import read_info
+    from draftsmith.target_info import read_info
 
     try:
         info = read_info(target)

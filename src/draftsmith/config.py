@@ -52,12 +52,33 @@ class EmbeddedTargetConfig(_Section):
         return self
 
 
+class ChatFormatSpec(_Section):
+    """A chat format declared in params.yaml, for templates the probe cannot read. The strings
+    are exact: what the model emits, whitespace included (see draftsmith/chat_format.py)."""
+    end_of_turn: str = Field(min_length=1)
+    reasoning_open: str | None = None
+    reasoning_close: str | None = None
+    prompt_opens_reasoning: bool = False
+    answer_open: str = ""
+    template_answer_prefix: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_markers(self):
+        if (self.reasoning_open is None) != (self.reasoning_close is None):
+            raise ValueError("reasoning_open and reasoning_close go together: set both, or "
+                             "neither for a model without reasoning")
+        if self.reasoning_close is not None and not self.reasoning_close.strip():
+            raise ValueError("reasoning_close is only whitespace: reasoning and answer would be "
+                             "joined without a marker (the seed story's bug)")
+        return self
+
+
 class TargetConfig(_Section):
     model: str = EMBEDDED
     revision: str = "main"
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    chat_format: Literal["auto", "qwen3", "deepseek-r1", "chatml", "llama3"] = "auto"
+    chat_format: Literal["auto", "qwen3", "deepseek-r1", "chatml", "llama3"] | ChatFormatSpec = "auto"
     embedded: EmbeddedTargetConfig = EmbeddedTargetConfig()
 
     @property

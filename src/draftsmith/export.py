@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.artifacts import drafter_state, load_drafter
+from draftsmith.checkpoint import drafter_state, load_drafter
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
@@ -202,7 +202,7 @@ def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:
 
 def run(cfg, target_dir: Path, drafter_dir: Path, out_dir: Path) -> dict:
     """Export the trained drafter for both engines and validate each against the target."""
-    from draftsmith.target import read_info
+    from draftsmith.target_info import read_info
 
     info = read_info(target_dir)
     model = load_drafter(drafter_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from draftsmith.artifacts import SAMPLES_FILE
 from draftsmith.atomic import write_jsonl
 from draftsmith.config import GenerateConfig, ServerConfig
 from draftsmith.errors import DraftsmithError
@@ -26,9 +27,8 @@ from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.serving.client import ChatClient, ChatRequest
 from draftsmith.serving.server import serve_target
-from draftsmith.target import load_model, load_tokenizer, read_info
+from draftsmith.target_info import load_model, load_tokenizer, read_info
 
-SAMPLES_FILE = "samples.jsonl"
 JOURNAL_FILE = "journal.jsonl"  # finished samples of an unfinished run, in the work dir
 
 
@@ -54,8 +54,10 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
     fmt = info.format
     if cfg.thinking and not fmt.supports_reasoning:
         raise DraftsmithError(
-            f"generate.thinking is on but the target's chat format '{fmt.name}' has no reasoning",
-            "set generate.thinking: false for this target",
+            f"generate.thinking is on but the target's chat format '{fmt.name}' has no reasoning "
+            f"(its chat template renders no reasoning for an assistant turn)",
+            "set generate.thinking: false for this target, or declare where it writes its "
+            "reasoning in target.chat_format (reasoning_open, reasoning_close, end_of_turn)",
         )
     prompts = load_prompts(cfg.source, split=cfg.split, fmt=cfg.format, column=cfg.column,
                            limit=cfg.num_samples, seed=cfg.seed)

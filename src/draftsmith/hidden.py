@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 from draftsmith.artifacts import HIDDEN_MANIFEST, read_hidden_manifest
 from draftsmith.atomic import write_json
 from draftsmith.config import HiddenConfig, check_aux_layers
-from draftsmith.tokenization import MANIFEST as TOKENIZED_MANIFEST
-from draftsmith.tokenization import iter_samples
+from draftsmith.artifacts import TOKENIZED_MANIFEST
+from draftsmith.artifacts import iter_samples
 
 RESUME = "resume.json"
 
@@ -105,7 +105,7 @@ def _shard(model, samples, layers, batch_size: int, dtype, pad_id: int) -> dict:
 
 
 def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path) -> dict:
-    from draftsmith.target import load_model, load_tokenizer, read_info
+    from draftsmith.target_info import load_model, load_tokenizer, read_info
 
     info = read_info(target_dir)
     layers = check_aux_layers(cfg, info.num_layers)  # before loading anything big

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.chat_format import ChatFormat
+from draftsmith.chat_format import ChatFormat, assistant_message
 
 
 def prompt_text(tokenizer, messages: list[dict], thinking: bool) -> str:
@@ -22,11 +22,8 @@ def prompt_text(tokenizer, messages: list[dict], thinking: bool) -> str:
 
 def template_render(tokenizer, messages: list[dict], reasoning: str | None, content: str,
                     thinking: bool) -> str:
-    turn = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        turn["reasoning_content"] = reasoning
     return tokenizer.apply_chat_template(
-        [*messages, turn], tokenize=False, add_generation_prompt=False, enable_thinking=thinking
+        [*messages, assistant_message(reasoning, content)], tokenize=False, add_generation_prompt=False, enable_thinking=thinking
     )
 
 
@@ -59,8 +56,24 @@ def format_problems(tokenizer, fmt: ChatFormat, record: dict, prompt: str, respo
     if check_template:
         full = template_render(tokenizer, record["messages"], record["reasoning"],
                                record["content"], record["thinking"])
+        if record["thinking"] and fmt.template_answer_prefix is not None:
+            # The template drops the final turn's reasoning (DeepSeek-R1/V3.1): compare what it
+            # keeps, the prompt before the opening and the answer after its own prefix; the
+            # reasoning wrapper itself is checked against the raw completion above.
+            prompt = prompt.removesuffix(fmt.reasoning_open)
+            response = (fmt.template_answer_prefix + record["content"].lstrip("\n")
+                        + fmt.end_of_turn)
         if not full.startswith(prompt):
             problems.append("template_prompt_mismatch")  # history re-rendered differently
-        elif not full[len(prompt):].startswith(response) or full[len(prompt) + len(response):].strip():
+        elif not _same_turn(full[len(prompt):], response, fmt.end_of_turn):
             problems.append("template_turn_mismatch")  # the turn differs from the emission
     return problems
+
+
+def _same_turn(rendered: str, emitted: str, end_of_turn: str) -> bool:
+    """The template's turn is the emission, up to trailing whitespace. A template may leave the
+    end-of-turn token to the next turn's opener (GLM ends a turn with "<|user|>")."""
+    if rendered.startswith(emitted):
+        return not rendered[len(emitted):].strip()
+    return (emitted.endswith(end_of_turn) and end_of_turn not in rendered
+            and rendered.rstrip() == emitted[: -len(end_of_turn)].rstrip())

@@ -1,4 +1,5 @@
-"""Resolve and load the target model.
+"""The target stage: resolve the target model (build the toy, find a local dir, or pin a hub
+revision) and record what later stages need in its manifest (readers: target_info.py).
 
 The `target` artifact is a directory holding `target.json` (the manifest) and, for the embedded
 default, the model itself. For a hub model the manifest pins the resolved commit, so a new
@@ -11,40 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from draftsmith.atomic import atomic_path, write_json
-from draftsmith.chat_format import ChatFormat, get_format
+from draftsmith.chat_probe import resolve_format
 from draftsmith.config import TargetConfig
 from draftsmith.errors import DraftsmithError
-
-MANIFEST = "target.json"
-_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    kind: str  # embedded | local | hub
-    model: str  # what the user asked for
-    path: str  # where the HF-layout files are (relative to the artifact dir when embedded)
-    revision: str | None  # hub commit sha, or a content fingerprint for local/embedded
-    chat_format: str
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    trust_remote_code: bool
-    dtype: str
-
-    def model_dir(self, artifact_dir: Path) -> Path:
-        p = Path(self.path)
-        return p if p.is_absolute() else artifact_dir / p
-
-    @property
-    def format(self) -> ChatFormat:
-        return get_format(self.chat_format, None)
+from draftsmith.target_info import MANIFEST, TargetInfo, download
 
 
 def _fingerprint(model_dir: Path) -> str:
@@ -56,27 +31,6 @@ def _fingerprint(model_dir: Path) -> str:
             h.update(f.name.encode())
             h.update(f.read_bytes() if f.stat().st_size < 1 << 24 else str(f.stat().st_size).encode())
     return h.hexdigest()[:16]
-
-
-def _download(cfg: TargetConfig) -> tuple[Path, str]:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        path = Path(snapshot_download(cfg.model, revision=cfg.revision, allow_patterns=_HUB_FILES))
-    except LocalEntryNotFoundError:
-        raise DraftsmithError(
-            f"target.model '{cfg.model}' is not in the local HF cache and the hub is unreachable "
-            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})",
-            "connect to the hub once (or `hf download` it on a machine that can and copy the "
-            "cache), or point target.model at a local directory",
-        ) from None
-    except HfHubHTTPError as exc:
-        raise DraftsmithError(
-            f"target.model '{cfg.model}' (revision {cfg.revision}) could not be fetched: {exc}",
-            "check the model id and revision, and HF_TOKEN for gated models",
-        ) from None
-    return path, path.name  # snapshot folders are named by commit sha
 
 
 def _describe(model_dir: Path, cfg: TargetConfig) -> dict:
@@ -96,7 +50,7 @@ def _describe(model_dir: Path, cfg: TargetConfig) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     return dict(
-        chat_format=get_format(cfg.chat_format, tok.chat_template).name,
+        chat_format=resolve_format(cfg.chat_format, tok).to_dict(),
         architecture=(conf.get("architectures") or ["?"])[0],
         num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
@@ -122,50 +76,13 @@ def _resolve_into(cfg: TargetConfig, out_dir: Path) -> dict:
         model_dir, kind = Path(cfg.model).resolve(), "local"
         path, revision = str(model_dir), _fingerprint(model_dir)
     else:
-        model_dir, revision = _download(cfg)
+        model_dir, revision = download(cfg)
         kind, path = "hub", str(model_dir)
     info = TargetInfo(kind=kind, model=cfg.model, path=path, revision=revision,
                       trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype,
                       **_describe(model_dir, cfg))
     write_json(out_dir / MANIFEST, asdict(info))
     metrics.update(kind=kind, revision=revision, num_layers=info.num_layers,
-                   vocab_size=info.vocab_size, chat_format=info.chat_format)
+                   vocab_size=info.vocab_size, chat_format=info.format.name,
+                   chat_format_source=info.format.source)
     return metrics
-
-
-def read_info(artifact_dir: Path) -> TargetInfo:
-    f = Path(artifact_dir) / MANIFEST
-    if not f.exists():
-        raise DraftsmithError(f"{f} not found", "run the target stage first: `dvc repro target`")
-    return TargetInfo(**json.loads(f.read_text()))
-
-
-def load_tokenizer(artifact_dir: Path):
-    from transformers import AutoTokenizer
-
-    info = read_info(artifact_dir)
-    return AutoTokenizer.from_pretrained(info.model_dir(Path(artifact_dir)),
-                                         trust_remote_code=info.trust_remote_code)
-
-
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_model(artifact_dir: Path, device: str | None = None):
-    """The target as a transformers causal LM, safetensors only, in the configured dtype."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    device = device or default_device()
-    info = read_info(artifact_dir)
-    model_dir = info.model_dir(Path(artifact_dir))
-    if info.kind == "hub" and not model_dir.exists():
-        model_dir, _ = _download(TargetConfig(model=info.model, revision=info.revision))
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, info.dtype), use_safetensors=True,
-        trust_remote_code=info.trust_remote_code,
-    )
-    return model.to(device).eval()

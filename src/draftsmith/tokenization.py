@@ -8,22 +8,19 @@ runs on every sample before anything is written.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from draftsmith.artifacts import SAMPLES_FILE, TOKENIZED_MANIFEST as MANIFEST
 from draftsmith.atomic import atomic_path, read_jsonl, write_json
 from draftsmith.config import TokenizeConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.generate import SAMPLES_FILE
 from draftsmith.render import render_sample
-from draftsmith.target import load_tokenizer, read_info
-
-MANIFEST = "manifest.json"
+from draftsmith.target_info import load_tokenizer, read_info
 
 _PROBLEM_HELP = {
     "emission_mismatch": "the parsed reasoning/content do not rebuild the raw completion: the "
@@ -84,8 +81,7 @@ def run(cfg: TokenizeConfig, target_dir: Path, raw_dir: Path, out_dir: Path) -> 
         raise DraftsmithError(
             f"format check failed for {checked - passed} of {checked} samples:\n  {detail}",
             "fix the generation/template (see above); tokenize.check_template: false skips the "
-            "template comparison for templates that strip reasoning from history on purpose "
-            "(e.g. DeepSeek-R1); tokenize.on_format_error: drop drops failing samples",
+            "template comparison for templates that rewrite history on purpose; tokenize.on_format_error: drop drops failing samples",
         )
     if not kept:
         raise DraftsmithError(f"no samples left after tokenize (dropped: {dict(dropped)})",
@@ -97,6 +93,7 @@ def run(cfg: TokenizeConfig, target_dir: Path, raw_dir: Path, out_dir: Path) -> 
         "samples_kept": len(kept),
         "dropped": {k: dropped.get(k, 0)
                     for k in ("truncated", "malformed", "format_error", "too_long")},
+        "chat_format": fmt.to_dict(),  # as the target stage resolved it (probed, named, declared)
         "format_check_pass_rate": round(passed / checked, 4) if checked else None,
         "format_problems": dict(problems),
         "tokens": tokens,
@@ -120,13 +117,3 @@ def _write_shards(kept, shard_size: int, out_dir: Path, tokenizer_vocab: int) ->
             }, tmp / name)
             shards.append({"file": name, "ids": [sid for sid, _, _ in part]})
         write_json(tmp / MANIFEST, {"vocab_size": tokenizer_vocab, "shards": shards})
-
-
-def iter_samples(tokenized_dir: Path):
-    """Yield (sample_id, input_ids, loss_mask) tensors from a tokenized artifact."""
-    manifest = json.loads((Path(tokenized_dir) / MANIFEST).read_text())
-    for shard in manifest["shards"]:
-        t = load_file(Path(tokenized_dir) / shard["file"])
-        cu = t["cu_seqlens"].tolist()
-        for k, sid in enumerate(shard["ids"]):
-            yield sid, t["input_ids"][cu[k]:cu[k + 1]].long(), t["loss_mask"][cu[k]:cu[k + 1]].bool()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.atomic import atomic_path
 from draftsmith.config import VocabConfig
-from draftsmith.tokenization import iter_samples
+from draftsmith.artifacts import iter_samples
 
 VOCAB_FILE = "vocab.safetensors"
 

@@ -37,6 +37,11 @@ class ChatRequest:
     body: dict  # sampling fields: max_tokens, temperature, top_p, seed, chat_template_kwargs
 
 
+@dataclass
+class ServedCompletion(Completion):
+    token_ids: list[int] | None = None  # the emitted ids, when the request asked for them
+
+
 class RequestFailed(DraftsmithError):
     pass
 
@@ -53,14 +58,27 @@ def raw_completion(message: dict, finish_reason: str, fmt: ChatFormat) -> str:
                       if message.get(k) is not None), None)
     content = message.get("content") or ""
     if reasoning is not None and fmt.supports_reasoning:
-        head = "" if fmt.prompt_opens_think else fmt.think_open
+        # Parsers strip the tags and keep the whitespace around them in the two fields.
+        head = "" if fmt.prompt_opens_reasoning else fmt.open_tag
         # A parser that finds no closing tag (cut off while thinking) puts everything in
         # reasoning and leaves content null.
         closed = message.get("content") is not None
-        text = head + reasoning + (fmt.think_close + content if closed else "")
+        text = head + reasoning + (fmt.close_tag + content if closed else "")
     else:
-        text = content
+        text = fmt.answer_open + content
     return text + fmt.end_of_turn if finish_reason == "stop" else text
+
+
+def emitted_ids(choice: dict) -> list[int] | None:
+    """The ids of the emitted tokens, when the request asked for them (vLLM: `logprobs: true`
+    with `return_tokens_as_token_ids: true` names each token "token_id:<id>")."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if not content:
+        return None
+    try:
+        return [int(t["token"].removeprefix("token_id:")) for t in content]
+    except (KeyError, ValueError):
+        return None
 
 
 class ChatClient:
@@ -125,7 +143,7 @@ class ChatClient:
                     reason = "stop" if reason == "stop" else "length"
                     text = raw_completion(choice["message"], reason, self.fmt)
                     tokens = r.json().get("usage", {}).get("completion_tokens", 0)
-                    return Completion(text, tokens, reason)
+                    return ServedCompletion(text, tokens, reason, emitted_ids(choice))
                 last = f"HTTP {r.status_code} from {url}: {r.text[:300]}"
                 if r.status_code not in _RETRY_STATUS:
                     break

@@ -15,6 +15,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from draftsmith.chat_format import ChatFormat
 from draftsmith.config import ServerConfig
 from draftsmith.errors import DraftsmithError
 
@@ -29,8 +31,14 @@ DEFAULT_COMMANDS = {
     "vllm": "vllm serve {model}",
     "sglang": "python -m sglang.launch_server --model-path {model}",
 }
-# vLLM's reasoning parsers for our chat formats (None: the format has no reasoning).
-REASONING_PARSERS = {"qwen3": "qwen3", "deepseek-r1": "deepseek_r1", "chatml": None, "llama3": None}
+
+
+def reasoning_parser(fmt: ChatFormat) -> str | None:
+    """vLLM's reasoning parser for a format: the <think>...</think> families. Others get none,
+    so their reasoning stays inline in `content`, verbatim, and is parsed here."""
+    if fmt.supports_reasoning and (fmt.open_tag.strip(), fmt.close_tag) == ("<think>", "</think>"):
+        return "deepseek_r1" if fmt.prompt_opens_reasoning else "qwen3"
+    return None
 
 
 def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
@@ -45,12 +53,12 @@ def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
 
 
 def server_argv(cfg: ServerConfig, *, model_dir: Path, served_name: str, port: int, dtype: str,
-                seed: int, chat_format: str, extra: list[str] = ()) -> list[str]:
+                seed: int, chat_format: ChatFormat, extra: list[str] = ()) -> list[str]:
     command = cfg.command or DEFAULT_COMMANDS[cfg.engine]
     argv = shlex.split(command.format(model=shlex.quote(str(model_dir))))
     argv += ["--host", cfg.host, "--port", str(port), "--served-model-name", served_name,
              "--dtype", dtype, "--seed" if cfg.engine == "vllm" else "--random-seed", str(seed)]
-    parser = REASONING_PARSERS.get(chat_format)
+    parser = reasoning_parser(chat_format)
     # vLLM's parser returns the thinking verbatim in `message.reasoning` (checked against
     # in-process generation in test_vllm.py). SGLang's parser stripped whitespace around it in
     # 0.5.x releases (parser/reasoning_parser.py), which would lose the exact emitted text, so a
@@ -68,12 +76,12 @@ def serve_target(cfg: ServerConfig, target_dir: Path, log_dir: Path, *, seed: in
     if not (cfg.launch if launch is None else launch):
         yield list(cfg.urls)
         return
-    from draftsmith.target import read_info
+    from draftsmith.target_info import read_info
 
     info = read_info(target_dir)
     port = cfg.port or free_port(cfg.host)
     argv = server_argv(cfg, model_dir=info.model_dir(target_dir), served_name=info.model,
-                       port=port, dtype=info.dtype, seed=seed, chat_format=info.chat_format,
+                       port=port, dtype=info.dtype, seed=seed, chat_format=info.format,
                        extra=[*(["--trust-remote-code"] if info.trust_remote_code else []), *extra])
     server = ManagedServer(argv, host=cfg.host, port=port, log_file=Path(log_dir) / "server.log",
                            startup_timeout_s=cfg.startup_timeout_s)
@@ -89,9 +97,35 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# Runs beside a launched server, in a session of its own: when the process that launched the
+# server dies, even by SIGKILL (no `finally` runs then), it stops the server's whole session.
+_WATCHDOG = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.5)
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        sys.exit()  # the server is gone: nothing left to guard
+for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 0)):
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        sys.exit()
+    for _ in range(int(wait * 2)):
+        time.sleep(0.5)
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            sys.exit()
+"""
+
+
 class ManagedServer:
     """`with ManagedServer(argv, ...) as url:` starts the server, waits for `/health` and stops
-    it (the whole process group) on exit, even when the body raises or is interrupted."""
+    it (the whole process group) on exit, even when the body raises or is interrupted; a
+    watchdog process stops it if the launching process is killed outright."""
 
     startups: list[float] = []  # seconds to healthy of every start in this process (reports)
 
@@ -122,6 +156,10 @@ class ManagedServer:
             # A session of its own: stopping it reaches the engine's worker processes too.
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.proc.pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
         try:
             self._wait_healthy()
         except BaseException:
@@ -166,6 +204,9 @@ class ManagedServer:
                 self.proc.wait()
             except ProcessLookupError:
                 pass
+        if getattr(self, "watchdog", None) and self.watchdog.poll() is None:
+            self.watchdog.kill()
+            self.watchdog.wait()
         # vLLM leaves a /tmp/vllm_dist_<hex> rendezvous file behind on every start.
         for path in set(glob.glob("/tmp/vllm_dist_*")) - getattr(self, "_leftovers", set()):
             Path(path).unlink(missing_ok=True)

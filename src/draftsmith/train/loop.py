@@ -21,8 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from draftsmith.artifacts import (DRAFTER_WEIGHTS, SHARED, drafter_state, load_drafter_weights,
-                                  save_drafter)
+from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED, drafter_state, load_drafter_weights, save_drafter
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.config import TrainConfig
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
