@@ -77,3 +77,36 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def tiny_llama(vocab: int, hidden: int, sharpen: float, max_positions: int):
+    """A random 4-layer Llama target, its lm_head scaled so drafts are sometimes right."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=max_positions)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model
+
+
+def random_drafter(target, draft_vocab: int, seed: int = 1):
+    """A random EAGLE-3 drafter sized to `target`, sharing its embeddings; the draft vocab is
+    the first `draft_vocab` tokens (d2t offsets 0)."""
+    import torch
+
+    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+
+    torch.manual_seed(seed)
+    h, v = target.config.hidden_size, target.config.vocab_size
+    c = DrafterConfig(hidden_size=h, target_hidden_size=h, num_heads=2, num_kv_heads=1,
+                      head_dim=h // 2, intermediate_size=2 * h, vocab_size=v,
+                      draft_vocab_size=draft_vocab, aux_layers=(1, 2, 3))
+    d = Eagle3Drafter(c)
+    d.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
+    d.t2d[torch.arange(draft_vocab)] = True
+    return d.eval()

@@ -3,37 +3,24 @@ whose outputs do not follow the target (always accepting drafts, a wrong tempera
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith import speculative
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.lossless import check_greedy, check_sampled, ks_uniform
 from draftsmith.speculative import Eagle3Proposer
+
+from conftest import random_drafter, tiny_llama
 
 V, PROMPTS, NEW = 48, 40, 40
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # peaked enough that drafts are sometimes right, like a real LM
-        model.lm_head.weight.mul_(6)
-    return model
+    return tiny_llama(V, hidden=32, sharpen=6, max_positions=128)
 
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    torch.manual_seed(1)
-    c = DrafterConfig(hidden_size=32, target_hidden_size=32, num_heads=2, num_kv_heads=1,
-                      head_dim=16, intermediate_size=64, vocab_size=V, draft_vocab_size=32,
-                      aux_layers=(1, 2, 3))
-    d = Eagle3Drafter(c)
-    d.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
-    d.t2d[:32] = True
-    return d.eval()
+    return random_drafter(target, draft_vocab=32)
 
 
 def prompts():
@@ -88,20 +75,9 @@ def test_ks_against_uniform():
 
 def test_greedy_check(target):
     p = prompts()[:3]
-    ref = [speculative.generate(target, Eagle3Proposer(random_drafter_for(target)), x, k=2,
+    ref = [speculative.generate(target, Eagle3Proposer(random_drafter(target, V, seed=2)), x, k=2,
                                 aux_layers=[1, 2, 3], max_new_tokens=8, eos_id=-1)[0] for x in p]
     assert check_greedy(target, p, ref, ref)["lossless"] is True
     wrong = [ref[0], ref[1], ref[2][:3] + [(ref[2][3] + 1) % V] + ref[2][4:]]
     v = check_greedy(target, p, ref, wrong)
     assert v["lossless"] is False and v["first_different_prompt"] == 2 and v["identical"] == 2
-
-
-def random_drafter_for(target):
-    torch.manual_seed(2)
-    c = DrafterConfig(hidden_size=32, target_hidden_size=32, num_heads=2, num_kv_heads=1,
-                      head_dim=16, intermediate_size=64, vocab_size=V, draft_vocab_size=V,
-                      aux_layers=(1, 2, 3))
-    d = Eagle3Drafter(c)
-    d.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
-    d.t2d[:] = True
-    return d.eval()

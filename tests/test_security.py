@@ -2,7 +2,6 @@
 code only when params say so, servers on loopback unless configured."""
 
 import ast
-from pathlib import Path
 
 import pytest
 

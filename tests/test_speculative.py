@@ -6,37 +6,25 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith import speculative
 from draftsmith.drafter import DrafterCache, DrafterConfig, Eagle3Drafter
 from draftsmith.hidden import capture
 from draftsmith.speculative import Eagle3Proposer, SpecStats, TargetProposer
 
+from conftest import random_drafter as tiny_drafter
+from conftest import tiny_llama
+
 V = 6  # tiny vocab: the sampling test enumerates every 3-token continuation
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen the distribution a little so drafts are sometimes right
-        model.lm_head.weight.mul_(8)
-    return model
+    return tiny_llama(V, hidden=16, sharpen=8, max_positions=64)
 
 
 def random_drafter(target, draft_vocab=V, seed=1):
-    torch.manual_seed(seed)
-    c = DrafterConfig(hidden_size=16, target_hidden_size=16, num_heads=2, num_kv_heads=1,
-                      head_dim=8, intermediate_size=32, vocab_size=V, draft_vocab_size=draft_vocab,
-                      aux_layers=(1, 2, 3))
-    d = Eagle3Drafter(c)
-    d.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
-    ids = torch.arange(draft_vocab)  # draft vocab = the first tokens; d2t offsets are 0
-    d.t2d[ids] = True
-    return d.eval()
+    return tiny_drafter(target, draft_vocab, seed)
 
 
 def greedy_reference(model, prompt, n):

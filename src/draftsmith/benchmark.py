@@ -242,7 +242,7 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
 
     k = cfg.num_speculative_tokens
     fmt = read_info(target_dir).format
-    results, texts = [], {}
+    results, outputs = [], {}
     with serve_target(server, target_dir, work_dir, seed=cfg.seed, launch=True,
                       extra=speculative_args("vllm", draft_dir, k)) as urls:
         client = ChatClient(server, urls, fmt)
@@ -263,12 +263,12 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
                 tokens = sum(o.num_tokens for o in outs.values())
                 results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
                                 "tokens_per_s": round(tokens / wall, 1)})
-                texts[temp] = {i: o.token_ids for i, o in outs.items()}
-                if any(ids is None for ids in texts[temp].values()):
+                outputs[temp] = {i: o.token_ids for i, o in outs.items()}
+                if any(ids is None for ids in outputs[temp].values()):
                     raise DraftsmithError(
                         "the server returned no token ids with its outputs, so they cannot be "
                         "checked against the target",
                         "serve with vLLM (it honours logprobs + return_tokens_as_token_ids)")
         finally:
             client.close()
-    return results, texts
+    return results, outputs
