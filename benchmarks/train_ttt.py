@@ -11,8 +11,9 @@ a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
 
 - reference: `ttt_loss_reference` + the dense TTT attention (T x T scores) + full-vocab logits:
   the algorithm the train stage ran before the fast path.
-- fast: what the train stage runs on a GPU (`Trainer`: chunked target view, flex attention,
-  fused lm_head + soft cross-entropy, torch.compile).
+- fast: what the train stage runs on a GPU (`Trainer.step`: chunked target view, flex
+  attention, fused lm_head + soft cross-entropy, torch.compile, a bf16 working copy of the fp32
+  master weights, fused AdamW).
 - naive: fc + one Llama layer over [emb; h], 7 unrolled steps with plain causal attention (no
   TTT pattern), hard-label CE over the draft vocab, no compile: the field's usual baseline.
 - naive_bf16 (only when asked for): the same with bf16 weights and optimizer state instead of
@@ -102,9 +103,9 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None):
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
     cfg = TrainConfig(ttt_steps=p["steps"], seq_len=T, batch_size=rows)
     rt = Runtime.resolve(cfg.model_copy(update={"device": device.type}))
-    if kind == "fast":
+    trainer = None
+    if kind == "fast":  # the train stage's own step: bf16 working copy, fused AdamW
         trainer = Trainer(cfg, rt, m, TargetHead(None, None, head, None))
-        step_loss = lambda: trainer.loss(batch)[0]  # noqa: E731
     elif kind == "reference":
         draft_ids = m.d2t + torch.arange(p["Vd"], device=device)
         weights = [0.8 ** j for j in range(p["steps"])]
@@ -117,9 +118,11 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None):
         def step_loss():
             with rt.autocast():
                 return naive_loss(m, batch, p["steps"])
-    opt = torch.optim.AdamW(m.trainable_parameters(), lr=1e-5)
+    opt = None if trainer else torch.optim.AdamW(m.trainable_parameters(), lr=1e-5)
 
     def step():
+        if trainer:
+            return trainer.step(batch, 1e-5)
         loss = step_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -143,7 +146,7 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None):
     except torch.OutOfMemoryError:
         return {"kind": kind, "T": T, "rows": rows, "status": "out of memory"}
     finally:
-        del m, opt
+        del m, opt, trainer
     out = {"kind": kind, "T": T, "rows": rows, "status": "ok",
            "tokens_per_s": round(rows * T / seconds, 1), "step_ms": round(seconds * 1e3, 2)}
     if device.type == "cuda":

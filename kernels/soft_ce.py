@@ -9,15 +9,13 @@ the choice: `cuda` raises when the kernel cannot be used instead of falling back
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
-from pathlib import Path
 
 import torch
 
-MODES = ("auto", "ref", "cuda")
-ENV = "DRAFTSMITH_KERNELS"
+from draftsmith_kernels._build import ENV, MODES, build, current_mode, use  # noqa: F401
+
 # Rows per reference chunk come from this budget of elements, so that its fp32 temporaries stay
 # about 64 MB each whatever the vocab (tests lower it to cross chunk boundaries).
 REF_CHUNK_ELEMENTS = 1 << 24
@@ -26,28 +24,13 @@ REF_CHUNK_ELEMENTS = 1 << 24
 _LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _TARGET_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
-_mode: str | None = None  # set by use(); None defers to the environment
 _lock = threading.Lock()
 _built = False
 _ext = None
 _reason = ""  # why the kernel is unavailable, once known
 _error: Exception | None = None  # the build's own error, with the compiler output
 _warned = False
-
-
-def use(mode: str | None) -> None:
-    """Override DRAFTSMITH_KERNELS for this process: 'auto', 'ref', 'cuda', or None to defer."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
-    global _mode
-    _mode = mode
-
-
-def _current_mode() -> str:
-    mode = _mode or os.environ.get(ENV, "auto")
-    if mode not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {mode!r}")
-    return mode
+_current_mode = current_mode  # the mode is shared by all kernels (_build.py)
 
 
 def _extension():
@@ -57,26 +40,8 @@ def _extension():
         if _built:
             return _ext
         _built = True
-        if not torch.cuda.is_available():
-            _reason = "no CUDA device"
-            return None
-        try:
-            from torch.utils import cpp_extension
-
-            # sm_90 always (the H200 target), plus the running device's own arch if different.
-            major, minor = torch.cuda.get_device_capability()
-            archs = dict.fromkeys(["90", f"{major}{minor}"])
-            gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-            _ext = cpp_extension.load(
-                name="draftsmith_soft_ce",
-                sources=[str(Path(__file__).with_name("soft_ce.cu"))],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", *gencode],
-            )
-        except Exception as e:  # no nvcc or ninja, a compiler error, a driver mismatch...
-            _error = e
-            first_line = (str(e).strip().splitlines() or [""])[0][:300]
-            _reason = f"build failed: {type(e).__name__}: {first_line}"
+        _ext, reason, _error = build("draftsmith_soft_ce", "soft_ce.cu")
+        _reason = reason or ""
         return _ext
 
 

@@ -1,9 +1,12 @@
-"""Stage `train`: the EAGLE-3 drafter, trained with training-time test on the hidden states."""
+"""Stage `train`: the EAGLE-3 drafter, trained with training-time test on the hidden states
+(stored, or in online mode computed here from the tokenized data)."""
 
 from draftsmith import train
 from draftsmith.stage import stage_main
 
 if __name__ == "__main__":
     stage_main("train", lambda cfg, a: train.run(cfg.train, a.target, a.hidden, a.vocab, a.out,
-                                                 a.checkpoints, a.curve, a.plot),
-               paths=["target", "hidden", "vocab", "out", "checkpoints", "curve", "plot"])
+                                                 a.checkpoints, a.curve, a.plot, a.tokenized,
+                                                 cfg.hidden),
+               paths=["target", "tokenized", "hidden", "vocab", "out", "checkpoints", "curve",
+                      "plot"])

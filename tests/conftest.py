@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import subprocess
@@ -63,6 +64,41 @@ def dvc(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
 
 # Figures the tests measured that a reader of the CI log wants (acceptance, start times).
 REPORT: list[str] = []
+# The fault suite's table (tests marked `faults` add a row each): printed, and written to
+# metrics/faults.json when every fault test ran and passed.
+FAULTS: list[dict] = []
+
+
+@pytest.fixture
+def fault_row(request):
+    """fault_row(fault, behaviour, samples_lost=0, artifacts_corrupted=0): one row of the fault
+    table, recorded only if the test passes (its assertions are what the row claims)."""
+    rows = []
+    yield lambda fault, behaviour, samples_lost=0, artifacts_corrupted=0: rows.append(
+        {"fault": fault, "behaviour": behaviour, "samples_lost": samples_lost,
+         "artifacts_corrupted": artifacts_corrupted})
+    if not getattr(request.node, "fault_failed", False):
+        FAULTS.extend(rows)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if outcome.get_result().failed:
+        item.fault_failed = True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The table is rewritten only by runs of the whole suite (`-m faults` included), never by
+    a run of chosen files, which would leave out the others' rows."""
+    faults = [i for i in session.items if i.get_closest_marker("faults")]
+    chosen = any(Path(a.split("::")[0]).exists() for a in session.config.invocation_params.args)
+    if faults and not chosen and exitstatus == 0 and len(FAULTS) >= len(faults):
+        rows = sorted(FAULTS, key=lambda r: r["fault"])
+        (REPO / "metrics" / "faults.json").write_text(json.dumps(
+            {"faults": len(rows), "samples_lost": sum(r["samples_lost"] for r in rows),
+             "artifacts_corrupted": sum(r["artifacts_corrupted"] for r in rows),
+             "table": rows}, indent=2) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -70,6 +106,9 @@ def pytest_terminal_summary(terminalreporter):
     from draftsmith.serving.server import ManagedServer
 
     lines = list(REPORT)
+    for r in sorted(FAULTS, key=lambda r: r["fault"]):
+        lines.append(f"fault: {r['fault']}: {r['behaviour']} (samples lost "
+                     f"{r['samples_lost']}, artifacts corrupted {r['artifacts_corrupted']})")
     if ManagedServer.startups:
         times = ", ".join(f"{s:.1f}" for s in ManagedServer.startups)
         lines.append(f"servers started: {len(ManagedServer.startups)}, seconds to healthy: {times}")

@@ -60,19 +60,23 @@ def test_curve_is_written(trained):
     assert lines[0].startswith("step,loss,acc_0,acc_1,acc_2") and len(lines) > 10
 
 
-def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trained, tmp_path,
-                                                         monkeypatch):
-    out, _ = trained
-    calls = []
-    real = Trainer.evaluate
+def _interrupt_final_eval(monkeypatch):
+    """The initial evaluation runs; the final one (after the last checkpoint) is "Ctrl-C"."""
+    real, calls = Trainer.evaluate, []
 
-    def interrupted(*args, **kwargs):  # the initial eval runs; the final one is "Ctrl-C"
+    def interrupted(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
     monkeypatch.setattr(Trainer, "evaluate", interrupted)
+
+
+def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trained, tmp_path,
+                                                         monkeypatch):
+    out, _ = trained
+    _interrupt_final_eval(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
                   tmp_path / "ckpt")
@@ -87,6 +91,48 @@ def test_interrupted_training_resumes_to_the_same_drafter(toy_target, data, trai
     b = load_file(tmp_path / "d" / DRAFTER_WEIGHTS)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def _damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # one flipped byte in the middle: same size, different content
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(data)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("how", ["corrupted", "truncated"])
+def test_damaged_hidden_shard_is_refused_before_training(toy_target, data, tmp_path, how,
+                                                         fault_row):
+    h = tmp_path / "hidden"
+    shutil.copytree(data / "hidden", h)
+    shard = sorted(h.glob("hidden-*.safetensors"))[0]
+    _damage(shard, how)
+    with pytest.raises(DraftsmithError, match=f"(?s){shard.name} is {how}.*dvc repro hidden"):
+        train.run(TRAIN, toy_target, h, data / "vocab", tmp_path / "d", tmp_path / "c")
+    assert not (tmp_path / "d").exists() and not list((tmp_path / "c").glob("*"))
+    fault_row(f"hidden-state shard {how}", "train refuses before reading it, naming the shard "
+              "and the fix (sha256/size from the manifest)")
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("how", ["corrupted", "truncated"])
+def test_damaged_checkpoint_is_refused_not_resumed(toy_target, data, tmp_path, monkeypatch,
+                                                   how, fault_row):
+    _interrupt_final_eval(monkeypatch)  # a checkpoint of step 50 is left
+    with pytest.raises(KeyboardInterrupt):
+        train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
+                  tmp_path / "ckpt")
+    monkeypatch.undo()
+    _damage(tmp_path / "ckpt" / "optimizer.pt", how)
+    with pytest.raises(DraftsmithError, match=f"(?s)optimizer.pt is {how}.*delete .*ckpt"):
+        train.run(TRAIN, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
+                  tmp_path / "ckpt")
+    assert not (tmp_path / "d").exists()
+    fault_row(f"training checkpoint {how}", "train refuses to resume from it, naming the file "
+              "and the fix (sha256/size in state.json)")
 
 
 @pytest.fixture(scope="module")

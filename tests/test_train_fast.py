@@ -201,6 +201,58 @@ def test_gpu_fast_path_matches_reference_in_bf16(compile):
         assert rel < 5e-2, (name, float(rel))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_bf16_working_copy_carries_autocast_gradients_to_fp32_master_weights(device):
+    """bf16 (on the CPU with the reference attention; on a GPU the train stage's whole path,
+    flex attention and compile included): the step computes with a bf16 copy, yet the fp32
+    master weights get the gradients plain autocast over them gives (dense reference attention),
+    within bf16 rounding; after the optimizer step the copy holds the new weights."""
+    import copy
+
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+
+    m = drafter(torch.float32, head_dim=16)  # compiled flex attention needs >= 16
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    m.embed_tokens.to(torch.bfloat16)
+    m = m.to(device)
+    ref = copy.deepcopy(m)
+    batch = packed_batch([9, 7], 20, dtype=torch.bfloat16).to(device)
+    head = head_for(m, torch.bfloat16).to(device)
+    cfg = TrainConfig(ttt_steps=3, seq_len=20, batch_size=1, device=device, bf16=True,
+                      compile=device == "cuda")
+    rt = Runtime.resolve(cfg)
+    assert rt.dtype == torch.bfloat16
+    draft_ids = ref.d2t + torch.arange(len(ref.d2t), device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        view = target_view(batch, head, draft_ids, ref.t2d)
+        ref_loss, _ = ttt_loss(ref, batch, view, 3, [1.0, 0.8, 0.64], "soft_ce",
+                               dtype=torch.bfloat16)
+    ref_loss.backward()
+
+    trainer = Trainer(cfg, rt, m, TargetHead(None, None, head, None))
+    work = trainer.compute
+    assert work is not m and work.embed_tokens.weight is m.embed_tokens.weight  # shared
+    loss, _ = trainer.loss(batch)
+    loss.backward()
+    trainer.working.grads_to_master()
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
+    for (name, p), r in zip(m.named_parameters(), ref.parameters()):
+        if not p.requires_grad:
+            continue
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+        assert all(w.grad is None for w in work.parameters())
+        rel = (p.grad - r.grad).norm() / r.grad.norm().clamp_min(1e-12)
+        assert rel < 5e-2, (name, float(rel))
+    before = [p.detach().clone() for p in m.trainable_parameters()]
+    trainer.opt.step()
+    trainer.working.weights_from_master()
+    for b, p, w in zip(before, m.trainable_parameters(), work.trainable_parameters()):
+        assert not torch.equal(b, p)  # the master moved ...
+        assert torch.equal(w, p.to(torch.bfloat16))  # ... and the copy with it
+
+
 def test_runtime_refuses_impossible_devices_before_any_work(monkeypatch):
     from draftsmith.config import TrainConfig
     from draftsmith.errors import DraftsmithError

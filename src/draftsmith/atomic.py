@@ -44,3 +44,30 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> int:
 def read_jsonl(path: Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    """A file's sha256, read in 16 MB chunks (hashlib releases the GIL on large buffers)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_digest(path: Path, expected: dict, fix: str) -> None:
+    """Raise DraftsmithError naming `path` unless its size and sha256 are `expected`
+    ({"bytes": n, "sha256": hex}): a truncated or corrupted file is caught before it is read."""
+    from draftsmith.errors import DraftsmithError
+
+    path = Path(path)
+    if not path.exists():
+        raise DraftsmithError(f"{path} is missing", fix)
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise DraftsmithError(f"{path} is truncated or altered: {size} bytes, the manifest "
+                              f"says {expected['bytes']}", fix)
+    if file_sha256(path) != expected["sha256"]:
+        raise DraftsmithError(f"{path} is corrupted: its sha256 differs from the manifest's", fix)

@@ -149,6 +149,7 @@ class TokenizeConfig(_Section):
     truncated: Literal["drop", "keep"] = "drop"
     max_length: int = Field(512, ge=8)
     on_format_error: Literal["fail", "drop"] = "fail"
+    max_malformed_share: float = Field(0.25, ge=0, le=1)
     check_template: bool = True
     shard_size: int = Field(4096, ge=1)
 
@@ -158,10 +159,14 @@ class VocabConfig(_Section):
 
 
 class HiddenConfig(_Section):
+    mode: Literal["offline", "online"] = "offline"
     aux_layers: list[int] | None = Field(None, min_length=1)
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    batch_size: int = Field(16, ge=1)
-    shard_samples: int = Field(256, ge=1)
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = "bfloat16"
+    row_tokens: int = Field(2048, ge=8)
+    batch_rows: int = Field(8, ge=1)
+    shard_mb: float = Field(1024, gt=0)
+    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
+    device_map: Literal["auto"] | None = None
 
 
 class TrainConfig(_Section):

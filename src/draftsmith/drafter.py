@@ -89,12 +89,22 @@ class Attention(nn.Module):
         not repeated here; attention broadcasts them."""
         return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), pos)
 
-    def project_half(self, x, half: int):
-        """The projections of one half of the 2H input (0: the embedding half, 1: the hidden
-        half): [W_e | W_h] @ [e; h] = W_e @ e + W_h @ h, so the halves can be computed apart."""
+    def stacked_halves(self):
+        """The q, k and v weights stacked, cut into the columns that read the embedding half
+        and those that read the hidden half of the 2H input: [W_e | W_h] @ [e; h] =
+        W_e @ e + W_h @ h, so the halves can be projected apart. Training takes them once per
+        unroll: autograd then sums W_h's gradient over the TTT steps before one copy into the
+        weights (a slice per step made a full-size gradient per step), and each projection is
+        one GEMM instead of three."""
         H = self.c.hidden_size
-        cols = slice(0, H) if half == 0 else slice(H, 2 * H)
-        return tuple(F.linear(x, p.weight[:, cols]) for p in (self.q_proj, self.k_proj, self.v_proj))
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        return w[:, :H], w[:, H:]
+
+    def split_heads(self, qkv, pos):
+        """A stacked projection (B, T, (nh + 2 nkv) * hd) -> rotated q, k, v as `heads`."""
+        c = self.c
+        return self.heads(*qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                      c.num_kv_heads * c.head_dim], -1), pos)
 
     def heads(self, q, k, v, pos):
         """Projected (B, T, n * hd) -> per-head q, k, v with rotary positions applied."""
@@ -206,11 +216,12 @@ class Eagle3Drafter(nn.Module):
         # Chain t's token at step j is chain t+j's token at step 0: the embedding half of the
         # q/k/v projection is the same for every step, shifted. Project it once.
         emb = self.midlayer.input_layernorm(self.embed_tokens(next_ids[:, :T + steps - 1]))
-        emb_qkv = self.midlayer.self_attn.project_half(emb, 0)
+        w_emb, w_hidden = self.midlayer.self_attn.stacked_halves()
+        emb_qkv = F.linear(emb, w_emb)
         k0 = v0 = None
         ks, vs, out = [], [], []
         for j in range(steps):
-            q, k, v = self.step_qkv([x[:, j: j + T] for x in emb_qkv], h, pos + j)
+            q, k, v = self.step_qkv(emb_qkv[:, j: j + T], h, pos + j, w_hidden)
             if j == 0:
                 k0, v0 = k, v
             else:
@@ -220,12 +231,11 @@ class Eagle3Drafter(nn.Module):
             out.append(h)
         return out
 
-    def step_qkv(self, emb_qkv, h, pos):
+    def step_qkv(self, emb_qkv, h, pos, w_hidden):
         """One draft step's attention inputs: the projected embedding half plus the projected
-        norm(h) half, rotated."""
+        norm(h) half (`stacked_halves`), rotated."""
         attn = self.midlayer.self_attn
-        h_qkv = attn.project_half(self.midlayer.hidden_norm(h), 1)
-        return attn.heads(*(e + x for e, x in zip(emb_qkv, h_qkv)), pos)
+        return attn.split_heads(emb_qkv + F.linear(self.midlayer.hidden_norm(h), w_hidden), pos)
 
     @torch.no_grad()
     def chain(self, aux, tokens, steps: int, next_token, cache: DrafterCache | None = None):

@@ -6,29 +6,42 @@ the final hidden state after the final norm (the target's logits are `final @ lm
 training gets the target's distribution without storing V floats a token).
 
 Captured with forward pre-hooks on the decoder layers, so any decoder-only HF architecture
-works (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 with MLA...). Stored packed (no padding) in
-safetensors shards with a manifest; finished shards survive an interruption and are reused
-when the stage restarts with the same inputs (`resume.json` pins them).
+works (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 with MLA...).
+
+Extraction packs samples end to end into rows of `row_tokens` (longest first, first fit), with
+positions that restart per sample: transformers turns such position ids into a block-diagonal
+causal mask (flex attention on a GPU skips the masked blocks; SDPA masks them), so no compute
+goes to padding and no sample sees another. Each forward's real tokens are gathered on the
+device, cast (or fp8-quantized, per token and layer, by draftsmith_kernels.fp8_rows) there,
+and copied into pinned host memory on a side stream; a writer thread saves each finished shard
+(write, then rename) while the GPU runs the next. Shards are sized in bytes (`shard_mb`);
+finished shards survive an interruption and are reused when the stage restarts with the same
+inputs (`resume.json` pins them).
+
+`mode: online` stores nothing: the train stage runs the target itself (`capture_rows`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from draftsmith.artifacts import HIDDEN_MANIFEST, read_hidden_manifest
-from draftsmith.atomic import write_json
+from draftsmith.artifacts import (HIDDEN_MANIFEST, TOKENIZED_MANIFEST, iter_samples,
+                                  read_hidden_manifest)
+from draftsmith.atomic import file_sha256, write_json
 from draftsmith.config import HiddenConfig, check_aux_layers
-from draftsmith.artifacts import TOKENIZED_MANIFEST
-from draftsmith.artifacts import iter_samples
+from draftsmith.errors import DraftsmithError
 
 RESUME = "resume.json"
+FP8 = "float8_e4m3fn"
+STATE_KEYS = ("aux", "final", "aux_scale", "final_scale")  # the last two in fp8 shards only
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -42,7 +55,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 @torch.no_grad()
 def capture(model, input_ids, attention_mask, aux_layers: list[int], **decoder_kwargs):
     """-> aux (B, T, len(aux_layers) * H) entering those layers, final (B, T, H) after the
-    final norm. decoder_kwargs go to the decoder (a KV cache, for the speculative engine)."""
+    final norm. decoder_kwargs go to the decoder (position ids, a KV cache)."""
     layers = decoder_layers(model)
     seen: dict[int, torch.Tensor] = {}
 
@@ -58,50 +71,165 @@ def capture(model, input_ids, attention_mask, aux_layers: list[int], **decoder_k
     finally:
         for h in handles:
             h.remove()
-    return torch.cat([seen[k] for k in aux_layers], -1), out.last_hidden_state
+    final = out.last_hidden_state
+    # With a device map the layers sit on several GPUs: gather on the last one.
+    return torch.cat([seen[k].to(final.device) for k in aux_layers], -1), final
+
+
+def capture_rows(model, ids, pos, aux_layers: list[int]):
+    """Packed rows: ids and pos (B, T), pos restarting at 0 for each sample (and for the
+    padding at a row's end). -> aux, final as `capture`, each token seeing its own sample only."""
+    return capture(model, ids, None, aux_layers, position_ids=pos)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Sample indices into rows of at most row_tokens tokens: longest first, first fit over the
+    last 64 open rows (O(samples)); a sample longer than a row gets a row of its own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        r = next((r for r in range(max(0, len(rows) - 64), len(rows)) if room[r] >= n), None)
+        if r is None:
+            rows.append([])
+            room.append(max(row_tokens, n))
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= n
+    return rows
+
+
+def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int) -> list[range]:
+    """Consecutive samples into shards of at most shard_bytes (at least one sample each)."""
+    shards, start, size = [], 0, 0
+    for i, n in enumerate(lengths):
+        if size and size + n * token_bytes > shard_bytes:
+            shards.append(range(start, i))
+            start, size = i, 0
+        size += n * token_bytes
+    if start < len(lengths):
+        shards.append(range(start, len(lengths)))
+    return shards
+
+
+def token_bytes(cfg: HiddenConfig, n_layers: int, hidden_size: int) -> int:
+    """Stored bytes of one token's states, scales included."""
+    if cfg.dtype == FP8:
+        return (n_layers + 1) * (hidden_size + 4)  # fp8 values + one fp32 scale a row
+    return (n_layers + 1) * hidden_size * torch.finfo(getattr(torch, cfg.dtype)).bits // 8
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+class _HostShard:
+    """One shard's states in (pinned, on CUDA) host memory, filled by side-stream copies."""
+
+    def __init__(self, tokens: int, n_layers: int, H: int, cfg: HiddenConfig, device):
+        pin = device.type == "cuda"
+        store = torch.float8_e4m3fn if cfg.dtype == FP8 else getattr(torch, cfg.dtype)
+        self.fp8, self.n_layers = cfg.dtype == FP8, n_layers
+        self.t = {"aux": torch.empty(tokens, n_layers * H, dtype=store, pin_memory=pin),
+                  "final": torch.empty(tokens, H, dtype=store, pin_memory=pin)}
+        if self.fp8:
+            self.t["aux_scale"] = torch.empty(tokens, n_layers, pin_memory=pin)
+            self.t["final_scale"] = torch.empty(tokens, 1, pin_memory=pin)
+        self.stream = torch.cuda.Stream(device) if pin else None
+
+    def put(self, at: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """aux (n, L*H), final (n, H) on the device -> rows at..at+n, converted there."""
+        n = len(aux)
+        if self.fp8:
+            from draftsmith_kernels.fp8_rows import quantize
+
+            qa, sa = quantize(aux.reshape(n * self.n_layers, -1))
+            qf, sf = quantize(final)
+            parts = {"aux": qa.view(n, -1), "aux_scale": sa.view(n, -1), "final": qf,
+                     "final_scale": sf.view(n, 1)}
+        else:
+            parts = {"aux": aux.to(self.t["aux"].dtype), "final": final.to(self.t["final"].dtype)}
+        if self.stream is None:
+            for k, v in parts.items():
+                self.t[k][at:at + n].copy_(v)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(aux.device))
+        with torch.cuda.stream(self.stream):
+            for k, v in parts.items():
+                self.t[k][at:at + n].copy_(v, non_blocking=True)
+                v.record_stream(self.stream)
+
+    def done(self) -> dict:
+        if self.stream is not None:
+            self.stream.synchronize()
+        return self.t
+
+
+def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, pad_id: int):
+    """-> (the shard's samples in their stored order, its host tensors)."""
+    H = model.config.get_text_config().hidden_size
+    device = model.device
+    lengths = [len(s[1]) for s in samples]
+    rows = pack_rows(lengths, cfg.row_tokens)
+    order = [i for row in rows for i in row]
+    host = _HostShard(sum(lengths), len(layers), H, cfg, device)
+    at = 0
+    for b in range(0, len(rows), cfg.batch_rows):
+        batch = rows[b:b + cfg.batch_rows]
+        width = max(cfg.row_tokens, *(sum(lengths[i] for i in row) for row in batch))
+        ids = torch.full((len(batch), width), pad_id)
+        pos = torch.zeros((len(batch), width), dtype=torch.long)
+        keep = torch.zeros((len(batch), width), dtype=torch.bool)
+        for r, row in enumerate(batch):
+            c = 0
+            for i in row:
+                n = lengths[i]
+                ids[r, c:c + n], pos[r, c:c + n] = samples[i][1], torch.arange(n)
+                c += n
+            keep[r, :c] = True
+            pos[r, c:] = torch.arange(width - c)  # the padding: one more "sample"
+        aux, fin = capture_rows(model, ids.to(device), pos.to(device), layers)
+        sel = keep.view(-1).nonzero()[:, 0].to(aux.device)
+        n = len(sel)
+        host.put(at, aux.reshape(-1, aux.shape[-1]).index_select(0, sel),
+                 fin.reshape(-1, H).index_select(0, sel))
+        at += n
+    ordered = [samples[i] for i in order]
+    tensors = host.done()
+    tensors.update({
+        "input_ids": torch.cat([s[1] for s in ordered]).to(torch.int32),
+        "loss_mask": torch.cat([s[2] for s in ordered]).to(torch.uint8),
+        "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s[1]) for s in ordered]), 0),
+    })
+    return ordered, tensors
+
+
+def _save(tensors: dict, path: Path) -> dict:
+    """Write then rename; -> the shard's size and sha256, for the manifest. A full disk
+    leaves no partial file and says so."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(tensors, tmp)
+    except Exception as e:  # OSError, or safetensors' own error wrapping one
+        tmp.unlink(missing_ok=True)
+        if getattr(e, "errno", None) == errno.ENOSPC or f"os error {errno.ENOSPC})" in str(e):
+            raise DraftsmithError(
+                f"no space left on the device holding {path.parent} while writing {path.name}",
+                "free space there (a shard is about hidden.shard_mb MiB; hidden.dtype: "
+                "float8_e4m3fn halves them, hidden.mode: online stores none); rerunning the "
+                "stage keeps the shards already written") from e
+        raise
+    digest = {"bytes": tmp.stat().st_size, "sha256": file_sha256(tmp)}
+    tmp.rename(path)
+    return digest
 
 
 def _resume_key(tokenized_dir: Path, cfg: HiddenConfig, layers: list[int], target_rev: str) -> str:
     h = hashlib.sha256((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_bytes())
-    h.update(json.dumps([layers, cfg.dtype, cfg.shard_samples, target_rev]).encode())
+    h.update(json.dumps([layers, cfg.dtype, cfg.shard_mb, cfg.row_tokens, target_rev]).encode())
     return h.hexdigest()[:16]
-
-
-def _groups(tokenized_dir: Path, size: int) -> Iterator[list]:
-    group = []
-    for sample in iter_samples(tokenized_dir):
-        group.append(sample)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
-def _shard(model, samples, layers, batch_size: int, dtype, pad_id: int) -> dict:
-    """Run one shard's samples in length-sorted batches; pack the real tokens only."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][1]))
-    aux_out: list = [None] * len(samples)
-    fin_out: list = [None] * len(samples)
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        width = max(len(samples[i][1]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id)
-        att = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            n = len(samples[i][1])
-            ids[r, :n], att[r, :n] = samples[i][1], 1
-        aux, fin = capture(model, ids.to(model.device), att.to(model.device), layers)
-        for r, i in enumerate(idx):
-            n = len(samples[i][1])
-            aux_out[i], fin_out[i] = aux[r, :n].to("cpu", dtype), fin[r, :n].to("cpu", dtype)
-    lengths = torch.tensor([0] + [len(s[1]) for s in samples])
-    return {
-        "aux": torch.cat(aux_out), "final": torch.cat(fin_out),
-        "input_ids": torch.cat([s[1] for s in samples]).to(torch.int32),
-        "loss_mask": torch.cat([s[2] for s in samples]).to(torch.uint8),
-        "cu_seqlens": torch.cumsum(lengths, 0),
-    }
 
 
 def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path) -> dict:
@@ -109,14 +237,33 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path)
 
     info = read_info(target_dir)
     layers = check_aux_layers(cfg, info.num_layers)  # before loading anything big
-    model = load_model(target_dir)
+    if cfg.mode == "online":
+        return write_online_manifest(layers, info.hidden_size, out_dir)
+    model = load_model(target_dir, device_map=cfg.device_map)
+    set_attention(model, cfg.attention)
     pad_id = load_tokenizer(target_dir).pad_token_id or 0
     return write_hidden(cfg, model, layers, tokenized_dir, out_dir, info.revision or "", pad_id)
 
 
+def set_attention(model, attention: str) -> None:
+    """auto: flex attention on a GPU (masked blocks skipped), SDPA elsewhere."""
+    if attention == "auto":
+        attention = "flex_attention" if model.device.type == "cuda" else "sdpa"
+    model.set_attn_implementation(attention)
+
+
+def write_online_manifest(layers: list[int], hidden_size: int, out_dir: Path) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in out_dir.glob("*"):
+        f.unlink()
+    write_json(out_dir / HIDDEN_MANIFEST, {"mode": "online", "aux_layers": layers,
+                                           "hidden_size": hidden_size, "shards": []})
+    return {"mode": "online", "aux_layers": layers, "bytes": 0}
+
+
 def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Path, out_dir: Path,
                  target_revision: str, pad_id: int) -> dict:
-    dtype = getattr(torch, cfg.dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     key = _resume_key(tokenized_dir, cfg, layers, target_revision)
@@ -125,39 +272,67 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
         for f in out_dir.glob("*") if out_dir.exists() else []:
             f.unlink()  # a different run's shards: start clean
         write_json(resume, {"key": key})
-    shards, reused, tokens = [], 0, 0
-    tokenized = json.loads((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_text())
-    total = sum(len(s["ids"]) for s in tokenized["shards"])
-    bar = tqdm(total=total, desc="hidden", unit="sample")
-    for s, group in enumerate(_groups(tokenized_dir, cfg.shard_samples)):
-        name = f"hidden-{s:05d}.safetensors"
-        if (out_dir / name).exists():
-            reused += 1  # written whole by an earlier, interrupted run (write-then-rename)
-        else:
-            tensors = _shard(model, group, layers, cfg.batch_size, dtype, pad_id)
-            tmp = out_dir / f".{name}.tmp"
-            save_file(tensors, tmp)
-            tmp.rename(out_dir / name)
-        shards.append({"file": name, "ids": [g[0] for g in group],
-                       "lengths": [len(g[1]) for g in group]})
-        tokens += sum(len(g[1]) for g in group)
-        bar.update(len(group))
-    bar.close()
+    for f in out_dir.glob(".*.tmp"):
+        f.unlink()  # a shard half-written when the last run was killed
     hidden_size = model.config.get_text_config().hidden_size
-    write_json(out_dir / HIDDEN_MANIFEST, {"aux_layers": layers, "hidden_size": hidden_size,
-                                    "dtype": cfg.dtype, "shards": shards})
-    per_token = (len(layers) + 1) * hidden_size * torch.finfo(dtype).bits // 8
-    return {"aux_layers": layers, "samples": total, "tokens": tokens, "shards": len(shards),
-            "reused_shards": reused, "bytes_per_token": per_token,
-            "bytes": per_token * tokens}
+    per_token = token_bytes(cfg, len(layers), hidden_size)
+    samples = list(iter_samples(tokenized_dir))
+    plan = plan_shards([len(s[1]) for s in samples], per_token, int(cfg.shard_mb * 2**20))
+    shards, reused, pending = [], 0, []  # pending: (shard entry, the writer's future)
+    bar = tqdm(total=sum(len(s[1]) for s in samples), desc="hidden", unit="tok",
+               unit_scale=True)
+    with ThreadPoolExecutor(max_workers=1) as writer:  # the disk never stalls the GPU
+        for s, members in enumerate(plan):
+            name = f"hidden-{s:05d}.safetensors"
+            group = [samples[i] for i in members]
+            if (out_dir / name).exists():
+                reused += 1  # written whole by an earlier, interrupted run (write-then-rename)
+                rows = pack_rows([len(g[1]) for g in group], cfg.row_tokens)  # deterministic
+                ordered = [group[i] for row in rows for i in row]
+                digest = writer.submit(lambda f: {"bytes": f.stat().st_size,
+                                                  "sha256": file_sha256(f)}, out_dir / name)
+            else:
+                ordered, tensors = _extract_shard(model, group, layers, cfg, pad_id)
+                digest = writer.submit(_save, tensors, out_dir / name)
+            entry = {"file": name, "ids": [g[0] for g in ordered],
+                     "lengths": [len(g[1]) for g in ordered]}
+            shards.append(entry)
+            pending.append((entry, digest))
+            if len(pending) > 1:  # at most two shards in host memory
+                done, future = pending.pop(0)
+                done.update(future.result())
+            bar.update(sum(len(g[1]) for g in group))
+        for entry, future in pending:
+            entry.update(future.result())
+    bar.close()
+    write_json(out_dir / HIDDEN_MANIFEST, {"mode": "offline", "aux_layers": layers,
+                                           "hidden_size": hidden_size, "dtype": cfg.dtype,
+                                           "shards": shards})
+    tokens = sum(len(s[1]) for s in samples)
+    return {"mode": "offline", "aux_layers": layers, "samples": len(samples), "tokens": tokens,
+            "shards": len(shards), "reused_shards": reused, "dtype": cfg.dtype,
+            "bytes_per_token": per_token, "bytes": per_token * tokens}
 
 
 def iter_hidden(hidden_dir: Path):
-    """Yield (sample_id, aux, final, input_ids, loss_mask) per sample."""
+    """Yield (sample_id, aux, final, input_ids, loss_mask) per sample, states dequantized."""
     for shard in read_hidden_manifest(hidden_dir)["shards"]:
         t = load_file(Path(hidden_dir) / shard["file"])
+        aux, final = hidden_states(t)
         cu = t["cu_seqlens"].tolist()
         for k, sid in enumerate(shard["ids"]):
             a, b = cu[k], cu[k + 1]
-            yield (sid, t["aux"][a:b], t["final"][a:b], t["input_ids"][a:b].long(),
+            yield (sid, aux[a:b], final[a:b], t["input_ids"][a:b].long(),
                    t["loss_mask"][a:b].bool())
+
+
+def hidden_states(t: dict, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hidden shard's tensors (or slices of them) -> aux (n, L*H), final (n, H); fp8 ones
+    (one scale per token and layer) dequantized to dtype, others as stored."""
+    if t["aux"].dtype != torch.float8_e4m3fn:
+        return t["aux"], t["final"]
+    from draftsmith_kernels.fp8_rows import dequantize
+
+    n, layers = t["aux_scale"].shape
+    aux = dequantize(t["aux"].reshape(n * layers, -1), t["aux_scale"].reshape(-1), dtype)
+    return aux.view(n, -1), dequantize(t["final"], t["final_scale"].reshape(-1), dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 
@@ -45,7 +46,7 @@ def _to_messages(value, fmt: str) -> list[dict]:
     if fmt == "prompt":
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {type(value).__name__}")
-        return [{"role": "user", "content": value}]
+        value = [{"role": "user", "content": value}]
     if isinstance(value, str):
         value = json.loads(value)
     if fmt == "sharegpt":
@@ -55,7 +56,13 @@ def _to_messages(value, fmt: str) -> list[dict]:
     last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1)
     if last_user < 0:
         raise ValueError("conversation has no user turn")
+    if not str(msgs[last_user]["content"]).strip():
+        raise EmptyPrompt("its last user turn is empty")
     return msgs[: last_user + 1]
+
+
+class EmptyPrompt(ValueError):
+    pass
 
 
 def _detect_format(columns: list[str]) -> str:
@@ -75,7 +82,22 @@ def load_dataset_rows(source: str, split: str):
     if source.startswith("hf:"):
         return datasets.load_dataset(source[3:], split=split)
     kind = "parquet" if source.endswith(".parquet") else "json"
+    if kind == "json":
+        _check_utf8(Path(source))
     return datasets.load_dataset(kind, data_files=source, split="train")
+
+
+def _check_utf8(path: Path) -> None:
+    """Name the line of a JSONL file that is not UTF-8, before any work."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DraftsmithError(
+                    f"{path} line {n} is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or remove "
+                    "that line") from None
 
 
 def dataset_prompts(source: str, split: str, fmt: str, column: str | None, limit: int
@@ -92,6 +114,9 @@ def dataset_prompts(source: str, split: str, fmt: str, column: str | None, limit
     for i, value in enumerate(rows[column]):
         try:
             p = make_prompt(_to_messages(value, fmt), source_index=i)
+        except EmptyPrompt as exc:
+            raise DraftsmithError(f"{source} row {i}: {exc}",
+                                  "remove empty prompts from the source") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise DraftsmithError(
                 f"{source} row {i}: column '{column}' is not in {fmt} format ({exc})",

@@ -86,12 +86,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model(artifact_dir: Path, device: str | None = None):
-    """The target as a transformers causal LM, safetensors only, in the configured dtype."""
+def load_model(artifact_dir: Path, device: str | None = None, device_map: str | None = None):
+    """The target as a transformers causal LM, safetensors only, in the configured dtype.
+    device_map="auto" spreads a target larger than one GPU over the visible GPUs (accelerate,
+    as transformers does it) instead of moving it whole to `device`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
+    if device_map:
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise DraftsmithError("hidden.device_map: auto needs the accelerate package",
+                                  "pip install accelerate, or set hidden.device_map: null")
     info = read_info(artifact_dir)
     model_dir = info.model_dir(Path(artifact_dir))
     if info.kind == "hub" and not model_dir.exists():
@@ -99,5 +107,6 @@ def load_model(artifact_dir: Path, device: str | None = None):
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, info.dtype), use_safetensors=True,
         trust_remote_code=info.trust_remote_code,
+        **({"device_map": device_map} if device_map else {}),
     )
-    return model.to(device).eval()
+    return (model if device_map else model.to(device)).eval()

@@ -75,6 +75,15 @@ def run(cfg: TokenizeConfig, target_dir: Path, raw_dir: Path, out_dir: Path) -> 
             continue
         kept.append((rec["id"], ids, mask))
 
+    finished = sum(1 for rec in records if rec["finish_reason"] == "stop")
+    if finished and dropped["malformed"] / finished > cfg.max_malformed_share:
+        raise DraftsmithError(
+            f"{dropped['malformed']} of {finished} finished samples are not in the target's own "
+            f"chat format '{fmt.name}' (e.g. the reasoning wrapper is missing): more than "
+            f"tokenize.max_malformed_share={cfg.max_malformed_share}",
+            "check how the samples were generated (a server without the right reasoning parser "
+            "returns no reasoning field; generate.thinking must match the model), then rerun "
+            "generate; raise tokenize.max_malformed_share only if such samples are expected")
     if problems and cfg.on_format_error == "fail":
         detail = "\n  ".join(f"{p}: {n} sample(s), e.g. id {examples[p]} - {_PROBLEM_HELP[p]}"
                              for p, n in problems.items())

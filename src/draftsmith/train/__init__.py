@@ -8,17 +8,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.config import TrainConfig
+from draftsmith.config import HiddenConfig, TrainConfig
 from draftsmith.train.loop import TargetHead, train
 
 
 def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
-        ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None) -> dict:
-    """The stage: reads only the target's embedding, lm_head and final norm."""
+        ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None,
+        tokenized_dir: Path | None = None, hidden: HiddenConfig | None = None) -> dict:
+    """The stage: reads only the target's embedding, lm_head and final norm, unless the hidden
+    artifact is online (hidden.mode: online): then the whole target runs here, on every batch."""
     from draftsmith.artifacts import load_target_head
 
+    def load_target(device):
+        from draftsmith.hidden import set_attention
+        from draftsmith.target_info import load_model
+
+        model = load_model(target_dir, str(device))
+        set_attention(model, (hidden or HiddenConfig()).attention)
+        return model
+
     return train(cfg, TargetHead(*load_target_head(target_dir)), hidden_dir, vocab_dir, out_dir,
-                 ckpt_dir, curve_file, plot_file)
+                 ckpt_dir, curve_file, plot_file, tokenized_dir, load_target)
 
 
 __all__ = ["run", "train", "TargetHead"]

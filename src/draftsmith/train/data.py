@@ -7,11 +7,14 @@ Every row has the same length, so every step has the same shapes (one compile, n
 compute beyond the row's tail).
 
 Samples are read as safetensors slices of the hidden shards (at H=7168 a shard is tens of GB:
-only the rows a step needs are read), in DataLoader workers, into pinned memory on CUDA.
+only the rows a step needs are read; fp8 ones dequantized), in DataLoader workers, into pinned
+memory on CUDA. In online mode (`TokenStore`) only ids and masks are read, and the trainer runs
+the target on each batch.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.artifacts import read_hidden_manifest
+from draftsmith.artifacts import TOKENIZED_MANIFEST, read_hidden_manifest
+from draftsmith.hidden import STATE_KEYS, hidden_states
 from draftsmith.errors import DraftsmithError
 
 
@@ -55,13 +59,18 @@ class Sample:
 class HiddenStore:
     """The hidden artifact's samples, indexed from the manifest; read by slices."""
 
-    def __init__(self, hidden_dir: Path):
-        self.dir = Path(hidden_dir)
+    def __init__(self, hidden_dir: Path, verify: bool = True):
         m = read_hidden_manifest(hidden_dir)
+        self._index(Path(hidden_dir), m["shards"])
         self.aux_layers = m["aux_layers"]
-        self.files = [s["file"] for s in m["shards"]]
+        if verify:
+            self.verify(m["shards"])
+
+    def _index(self, folder: Path, shards: list[dict]) -> None:
+        self.dir = folder
+        self.files = [s["file"] for s in shards]
         self.samples: list[Sample] = []
-        for s, shard in enumerate(m["shards"]):
+        for s, shard in enumerate(shards):
             lengths = shard.get("lengths") or self._lengths(shard["file"])
             start = 0
             for sid, n in zip(shard["ids"], lengths):
@@ -69,19 +78,38 @@ class HiddenStore:
                 start += n
         self._open: dict[int, object] = {}  # per process: DataLoader workers open their own
 
+    def verify(self, shards: list[dict]) -> None:
+        """Before training reads anything: every shard has the size and sha256 its manifest
+        recorded (manifests written before checksums are trusted as they are)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from draftsmith.atomic import check_digest
+
+        fix = "rerun the hidden stage (`dvc repro hidden`, or `dvc pull` the artifact again)"
+        todo = [s for s in shards if "sha256" in s]
+        with ThreadPoolExecutor(max_workers=4) as pool:  # hashing runs without the GIL
+            for f in [pool.submit(check_digest, self.dir / s["file"], s, fix) for s in todo]:
+                f.result()
+
     def _lengths(self, file: str) -> list[int]:
         with safe_open(self.dir / file, "pt") as f:
             return f.get_tensor("cu_seqlens").diff().tolist()
 
-    def read(self, i: int):
-        """-> aux, final, input_ids, loss_mask of sample i (only its rows are read)."""
+    def _slices(self, i: int, keys) -> dict:
         s = self.samples[i]
         f = self._open.get(s.shard)
         if f is None:
             f = self._open[s.shard] = safe_open(self.dir / self.files[s.shard], "pt")
         a, b = s.start, s.start + s.length
-        return (f.get_slice("aux")[a:b], f.get_slice("final")[a:b],
-                f.get_slice("input_ids")[a:b].long(), f.get_slice("loss_mask")[a:b].bool())
+        return {k: f.get_slice(k)[a:b] for k in keys if k in f.keys()}
+
+    def read(self, i: int):
+        """-> aux, final, input_ids, loss_mask of sample i (only its rows are read); fp8
+        states dequantized to bf16."""
+        t = self._slices(i, ("input_ids", "loss_mask", *STATE_KEYS))
+        aux, final = hidden_states(t)
+        return aux, final, t["input_ids"].long(), t["loss_mask"].bool()
+
 
     def __getstate__(self):  # file handles do not cross into worker processes
         return {**self.__dict__, "_open": {}}
@@ -102,6 +130,29 @@ class HiddenStore:
                 f"set train.seq_len >= {longest} (tokens per packed row), or drop long samples "
                 "with tokenize.max_length")
 
+
+class TokenStore(HiddenStore):
+    """Online mode (hidden.mode: online): the tokenized samples and no states; the trainer runs
+    the target on each batch instead (Trainer.with_target_states)."""
+
+    def __init__(self, tokenized_dir: Path, hidden_dir: Path):
+        manifest = json.loads((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_text())
+        self._index(Path(tokenized_dir), manifest["shards"])
+        self.aux_layers = read_hidden_manifest(hidden_dir)["aux_layers"]
+
+    def read(self, i: int):
+        t = self._slices(i, ("input_ids", "loss_mask"))
+        return None, None, t["input_ids"].long(), t["loss_mask"].bool()
+
+
+def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenStore:
+    """The hidden artifact's samples, or in online mode the tokenized ones."""
+    if read_hidden_manifest(hidden_dir).get("mode") == "online":
+        if tokenized_dir is None:
+            raise DraftsmithError("the hidden artifact is online (no states stored) but no "
+                                  "tokenized data was given", "pass the tokenized artifact")
+        return TokenStore(tokenized_dir, hidden_dir)
+    return HiddenStore(hidden_dir)
 
 def pack(lengths: dict[int, int], seq_len: int, rng: random.Random | None) -> list[list[int]]:
     """Pack samples (index -> length) into rows of at most seq_len tokens: first fit over the
@@ -142,8 +193,10 @@ def make_batch(store: HiddenStore, rows: list[list[int]], seq_len: int) -> Batch
     """Rows of sample indices -> one Batch of (len(rows), seq_len) tokens."""
     first = store.read(rows[0][0])
     B = len(rows)
-    aux = torch.zeros(B, seq_len, first[0].shape[-1], dtype=first[0].dtype)
-    final = torch.zeros(B, seq_len, first[1].shape[-1], dtype=first[1].dtype)
+    online = first[0] is None  # no stored states: (B, T, 0) placeholders
+    aux = torch.zeros(B, seq_len, 0 if online else first[0].shape[-1],
+                      dtype=torch.bfloat16 if online else first[0].dtype)
+    final = torch.zeros(B, seq_len, 0 if online else first[1].shape[-1], dtype=aux.dtype)
     ids = torch.zeros(B, seq_len, dtype=torch.long)
     loss_mask = torch.zeros(B, seq_len, dtype=torch.bool)
     doc = torch.full((B, seq_len), -1, dtype=torch.long)
@@ -154,7 +207,9 @@ def make_batch(store: HiddenStore, rows: list[list[int]], seq_len: int) -> Batch
             a, f, x, m = store.read(i)
             n = len(x)
             sl = slice(at, at + n)
-            aux[r, sl], final[r, sl], ids[r, sl], loss_mask[r, sl] = a, f, x, m
+            ids[r, sl], loss_mask[r, sl] = x, m
+            if not online:
+                aux[r, sl], final[r, sl] = a, f
             doc[r, sl] = d
             pos[r, sl] = torch.arange(n)
             at += n

@@ -9,6 +9,7 @@ waits for the GPU: metrics stay on the device and are read only at logging steps
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,12 +23,14 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED, drafter_state, load_drafter_weights, save_drafter
-from draftsmith.atomic import atomic_path, write_json
+from draftsmith.atomic import atomic_path, check_digest, file_sha256, write_json
 from draftsmith.config import TrainConfig
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.train.data import HiddenStore, eval_steps, loader, schedule
+from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
+                                   schedule)
 from draftsmith.train.loss import target_view, ttt_loss
+from draftsmith.train.precision import WorkingCopy
 from draftsmith.vocab import draft_ids_from_d2t
 
 
@@ -108,28 +111,50 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    """The drafter, the target head on the device, and one TTT step."""
+    """The drafter (fp32 master weights), the module each step computes with (a bf16 working
+    copy under bf16), the target head on the device, the optimizer, and one TTT step."""
 
-    def __init__(self, cfg: TrainConfig, rt: Runtime, model: Eagle3Drafter, head: TargetHead):
-        self.cfg, self.rt = cfg, rt
+    def __init__(self, cfg: TrainConfig, rt: Runtime, model: Eagle3Drafter, head: TargetHead,
+                 target=None):
+        """target: online mode's whole target model (on rt.device), run on every batch for
+        its states; None when they are stored."""
+        self.cfg, self.rt, self.target = cfg, rt, target
         self.model = model.to(rt.device)
         # The frozen embedding is only looked up: keep it in the compute dtype (1 GB, not 2,
         # for a 128K x 4096 table). It is never saved with the drafter.
         self.model.embed_tokens.to(rt.dtype)
+        self.working = WorkingCopy(self.model, rt.dtype)
+        self.compute = self.working.compute
         self.head = head.lm_head.to(rt.device, rt.dtype)  # (V, Ht): the target's argmax
         self.draft_ids = draft_ids_from_d2t(model.d2t).to(rt.device)
         self.weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
+        # One fused kernel for all of AdamW's updates on the GPU (the foreach path launches a
+        # dozen per step).
+        self.opt = torch.optim.AdamW(self.model.trainable_parameters(), lr=cfg.lr,
+                                     betas=(0.9, 0.95), weight_decay=0.0,
+                                     fused=rt.device.type == "cuda")
         self.attend = None
         if rt.attention == "flex":
             from draftsmith.ttt_flex import compiled_ttt_attention_flex, ttt_attention_flex
 
             self.attend = compiled_ttt_attention_flex() if rt.compile else ttt_attention_flex
         if rt.compile:  # the layer's norms, rotary and MLP fused; shapes are static
-            self.model.step_qkv = torch.compile(self.model.step_qkv, dynamic=False)
-            self.model.midlayer.finish = torch.compile(self.model.midlayer.finish, dynamic=False)
+            self.compute.step_qkv = torch.compile(self.compute.step_qkv, dynamic=False)
+            self.compute.midlayer.finish = torch.compile(self.compute.midlayer.finish,
+                                                         dynamic=False)
+
+    @torch.no_grad()
+    def with_target_states(self, batch):
+        """Online mode: the batch with the target's states computed here, on its packed rows."""
+        from draftsmith.hidden import capture_rows
+
+        aux, final = capture_rows(self.target, batch.ids, batch.pos, self.model.config.aux_layers)
+        return dataclasses.replace(batch, aux=aux, final=final)
 
     def loss(self, batch):
         """-> (loss, per-step stats (steps, 3) [mean loss, correct, counted]) on the device."""
+        if self.target is not None:
+            batch = self.with_target_states(batch)
         attend = None
         if self.attend is not None:
             from draftsmith.ttt_flex import document_block_mask
@@ -138,13 +163,26 @@ class Trainer:
             attend = lambda q, k0, v0, ks, vs: self.attend(q, k0, v0, ks, vs, mask)  # noqa: E731
         with self.rt.autocast():
             view = target_view(batch, self.head, self.draft_ids, self.model.t2d)
-            return ttt_loss(self.model, batch, view, self.cfg.ttt_steps, self.weights,
+            return ttt_loss(self.compute, batch, view, self.cfg.ttt_steps, self.weights,
                             self.cfg.loss, attend=attend, dtype=self.rt.dtype)
+
+    def step(self, batch, lr: float):
+        """One optimizer step on `batch`; -> (loss, stats) as for `loss`, still on the device."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss, stats = self.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.working.grads_to_master()
+        torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.working.weights_from_master()
+        return loss, stats
 
     @torch.no_grad()
     def evaluate(self, store: HiddenStore, members: list[int]) -> dict:
         """Per-step top-1 agreement with the target (and loss) on held-out samples."""
-        self.model.eval()
+        self.compute.eval()
         total = torch.zeros(self.cfg.ttt_steps, 3, device=self.rt.device)
         for batch in loader(store, eval_steps(store, members, self.cfg.seq_len,
                                               self.cfg.batch_size),
@@ -152,7 +190,7 @@ class Trainer:
             _, stats = self.loss(batch.to(self.rt.device, non_blocking=True))
             total[:, 0] += stats[:, 0] * stats[:, 2]  # mean loss -> summed over positions
             total[:, 1:] += stats[:, 1:]
-        self.model.train()
+        self.compute.train()
         loss_sum, correct, count = total.T.tolist()
         return {"accuracy": [round(c / max(1, n), 4) for c, n in zip(correct, count)],
                 "loss": [round(s / max(1, n), 4) for s, n in zip(loss_sum, count)],
@@ -162,11 +200,15 @@ class Trainer:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _resume_key(cfg: TrainConfig, hidden_dir: Path, vocab_dir: Path) -> str:
+def _resume_key(cfg: TrainConfig, store: HiddenStore, vocab_dir: Path) -> str:
     h = hashlib.sha256(cfg.model_dump_json().encode())
-    h.update((Path(hidden_dir) / "manifest.json").read_bytes())
+    h.update((store.dir / "manifest.json").read_bytes())  # the states', or online the tokens'
+    h.update(json.dumps(store.aux_layers).encode())
     h.update((Path(vocab_dir) / "vocab.safetensors").read_bytes())
     return h.hexdigest()[:16]
+
+
+CHECKPOINT_FILES = (DRAFTER_WEIGHTS, "optimizer.pt")
 
 
 def _save_checkpoint(ckpt_dir: Path, model, opt, step: int, key: str, curve: list) -> None:
@@ -174,7 +216,10 @@ def _save_checkpoint(ckpt_dir: Path, model, opt, step: int, key: str, curve: lis
         tmp.mkdir()
         save_file(drafter_state(model), tmp / DRAFTER_WEIGHTS)
         torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        write_json(tmp / "state.json", {"step": step, "key": key, "curve": curve})
+        digests = {f: {"bytes": (tmp / f).stat().st_size, "sha256": file_sha256(tmp / f)}
+                   for f in CHECKPOINT_FILES}
+        write_json(tmp / "state.json", {"step": step, "key": key, "curve": curve,
+                                        "files": digests})
 
 
 def _load_checkpoint(ckpt_dir: Path, model, opt, key: str):
@@ -184,6 +229,9 @@ def _load_checkpoint(ckpt_dir: Path, model, opt, key: str):
     state = json.loads(state_file.read_text())
     if state["key"] != key:
         return 0, []  # a different run's checkpoint: start over
+    for f, digest in state.get("files", {}).items():  # before reading any of it
+        check_digest(ckpt_dir / f, digest, f"delete {ckpt_dir} to train from step 0 (the "
+                     f"checkpoint of step {state['step']} cannot be resumed)")
     missing, _ = model.load_state_dict(load_file(ckpt_dir / DRAFTER_WEIGHTS), strict=False)
     assert missing == [SHARED], missing
     opt.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True,
@@ -195,25 +243,33 @@ def _load_checkpoint(ckpt_dir: Path, model, opt, key: str):
 
 
 def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
-          ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None) -> dict:
+          ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None,
+          tokenized_dir: Path | None = None, load_target=None) -> dict:
+    """load_target(device): the whole target, for online mode (the hidden artifact says which)."""
     from draftsmith.vocab import load as load_vocab
 
     rt = Runtime.resolve(cfg)
     d2t, t2d = load_vocab(vocab_dir)
-    store = HiddenStore(hidden_dir)
+    store = open_store(hidden_dir, tokenized_dir)
     store.check_fits(cfg.seq_len)
     train_ids, eval_ids = store.split(cfg.eval_samples)
     if not train_ids:
         raise DraftsmithError("no training samples", "lower train.eval_samples or add data")
-    trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers), head)
+    online = isinstance(store, TokenStore)
+    if online and load_target is None:
+        raise DraftsmithError("hidden.mode is online but the target model was not given",
+                              "pass load_target (the train stage does)")
+    target = load_target(rt.device) if online else None
+    trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers), head,
+                      target)
     model = trainer.model
     initial = trainer.evaluate(store, eval_ids)
 
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
-    key = _resume_key(cfg, hidden_dir, vocab_dir)
+    opt = trainer.opt
+    key = _resume_key(cfg, store, vocab_dir)
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     start, curve = _load_checkpoint(Path(ckpt_dir), model, opt, key)
+    trainer.working.weights_from_master()
     plan: list = []
     epoch = 0
     while len(plan) < cfg.steps:
@@ -226,16 +282,10 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.time()
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
-    model.train()
+    trainer.compute.train()
     for step, batch in zip(range(start, cfg.steps), batches):
         batch = batch.to(rt.device, non_blocking=True)
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg)
-        loss, stats = trainer.loss(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), cfg.grad_clip)
-        opt.step()
+        loss, stats = trainer.step(batch, _lr(step, cfg))
         tokens += batch.tokens
         if step % cfg.log_every == 0 or step == cfg.steps - 1:  # the only host sync
             per = stats.tolist()
@@ -268,7 +318,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         "train_tokens_per_s": round(trained_tokens / seconds, 1) if seconds > 0 else None,
         "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
         "device": rt.device.type, "compute_dtype": str(rt.dtype).removeprefix("torch."),
-        "attention": rt.attention,
+        "attention": rt.attention, "hidden_mode": "online" if online else "offline",
     }
     if rt.device.type == "cuda":
         metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)

@@ -1,0 +1,246 @@
+"""Hidden-state extraction throughput: the hidden stage's packed path against the implementation
+before it and two plain HF baselines, side by side in one run.
+
+    python benchmarks/hidden_extract.py --json benchmarks/results/hidden_extract_h200.json  # GPU, 8B
+    python benchmarks/hidden_extract.py --preset toy --device cpu                        # CPU, seconds
+
+Target (preset `8b`): Llama-3.1-8B shape, random bf16 weights. Data: the length mix of
+shared/notes/gpu-baseline.md, 64 samples of max(64, min(8192, lognormal(log 1700, 0.7))) tokens.
+Aux layers (2, 16, 29) as vLLM's default.
+
+- padded_hf: HF forward, random order, batch 8 padded to its longest, output_hidden_states;
+  states copied to the host per sample (the usual script).
+- before: the stage before packing (length-sorted batches of 16 padded to their longest,
+  forward pre-hooks, per-sample device-to-host copies), states kept in host memory.
+- packed / packed_fp8: `hidden.write_hidden` itself (rows of row_tokens, flex attention on a
+  GPU, side-stream copies into pinned memory, shards written by a thread to a temp dir);
+  packed_sdpa: the same with SDPA (masked blocks computed, not skipped).
+- equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies: the ceiling an
+  extraction can reach on this model, measured here.
+
+MFU: (2 x non-embedding parameters + causal attention within each sample) per token over the
+bf16 matmul rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_ttt import matmul_ceiling  # noqa: E402
+
+PRESETS = {
+    "8b": dict(config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                           max_position_embeddings=16384),
+               samples=64, median=1700, cap=8192, floor=64, layers=[2, 16, 29], repeats=1,
+               row_tokens=8192, batch_rows=2),
+    "toy": dict(config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                            max_position_embeddings=512),
+                samples=12, median=60, cap=200, floor=8, layers=[1, 2, 3], repeats=1,
+                row_tokens=256, batch_rows=2),
+}
+
+
+def length_mix(p) -> list[int]:
+    rng = random.Random(0)
+    return [max(p["floor"], min(p["cap"], int(rng.lognormvariate(math.log(p["median"]), 0.7))))
+            for _ in range(p["samples"])]
+
+
+def make_target(p, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**p["config"], attn_implementation="sdpa")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def flops_per_token(model, lengths) -> float:
+    c = model.config
+    params = sum(p.numel() for n, p in model.named_parameters()
+                 if "embed_tokens" not in n and "lm_head" not in n)
+    attn = 4 * c.num_hidden_layers * c.hidden_size * sum(n * n / 2 for n in lengths)
+    return 2 * params + attn / sum(lengths)
+
+
+def write_tokenized(folder: Path, seqs: list[torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    from draftsmith.atomic import write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"input_ids": torch.cat(seqs).to(torch.int32),
+               "loss_mask": torch.ones(sum(len(s) for s in seqs), dtype=torch.uint8),
+               "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)},
+              folder / "shard-00000.safetensors")
+    write_json(folder / "manifest.json", {"vocab_size": 0, "shards": [
+        {"file": "shard-00000.safetensors", "ids": [f"s{i:04d}" for i in range(len(seqs))]}]})
+    return folder
+
+
+def padded_batch(seqs: list[torch.Tensor]):
+    """Right-padded ids and attention mask of a batch, as the usual scripts build them."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    att = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)], att[r, :len(s)] = s, 1
+    return ids, att
+
+
+@torch.no_grad()
+def padded_hf(model, seqs, layers, batch=8):
+    order = list(range(len(seqs)))
+    random.Random(1).shuffle(order)
+    for b in range(0, len(order), batch):
+        idx = order[b:b + batch]
+        ids, att = padded_batch([seqs[i] for i in idx])
+        out = model.model(input_ids=ids.to(model.device), attention_mask=att.to(model.device),
+                          output_hidden_states=True, use_cache=False)
+        aux = torch.cat([out.hidden_states[k] for k in layers], -1)
+        for r, i in enumerate(idx):
+            aux[r, :len(seqs[i])].cpu(), out.last_hidden_state[r, :len(seqs[i])].cpu()
+
+
+@torch.no_grad()
+def before(model, seqs, layers, batch=16):
+    """The hidden stage before this work (its `_shard`), states kept in host memory."""
+    from draftsmith.hidden import capture
+
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for b in range(0, len(order), batch):
+        idx = order[b:b + batch]
+        ids, att = padded_batch([seqs[i] for i in idx])
+        aux, fin = capture(model, ids.to(model.device), att.to(model.device), layers)
+        for r, i in enumerate(idx):
+            n = len(seqs[i])
+            aux[r, :n].to("cpu", torch.bfloat16), fin[r, :n].to("cpu", torch.bfloat16)
+
+
+def packed(model, p, tok_dir, dtype, attention, work: Path):
+    import shutil
+
+    from draftsmith.config import HiddenConfig
+    from draftsmith.hidden import set_attention, write_hidden
+
+    set_attention(model, attention)
+    out = work / f"h-{dtype}-{attention}"
+    try:
+        cfg = HiddenConfig(dtype=dtype, shard_mb=1024, row_tokens=p["row_tokens"],
+                           batch_rows=p["batch_rows"], attention=attention)
+        return write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
+    finally:
+        model.set_attn_implementation("sdpa")
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@torch.no_grad()
+def equal(model, p, rows=8, T=2048):
+    T = min(T, p["cap"])
+    ids = torch.randint(0, model.config.vocab_size, (rows, T), device=model.device)
+    model.model(input_ids=ids, use_cache=False)
+    return rows * T, [T] * rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--kinds", nargs="*",
+                    default=["padded_hf", "before", "packed", "packed_fp8", "packed_sdpa",
+                             "equal"])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--work", type=Path, help="where the packed runs write their shards "
+                    "(default: a temp dir; /dev/shm keeps the disk out of the figure)")
+    args = ap.parse_args(argv)
+    p = PRESETS[args.preset]
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ceiling = matmul_ceiling(device)
+    model = make_target(p, device)
+    lengths = length_mix(p)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, p["config"]["vocab_size"], (n,), generator=g) for n in lengths]
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        tok = write_tokenized(Path(tmp) / "tok", seqs)
+        runs = {
+            "padded_hf": lambda: (padded_hf(model, seqs, p["layers"]), None),
+            "before": lambda: (before(model, seqs, p["layers"]), None),
+            "packed": lambda: (None, packed(model, p, tok, "bfloat16", "auto", Path(tmp))),
+            "packed_fp8": lambda: (None, packed(model, p, tok, "float8_e4m3fn", "auto",
+                                                Path(tmp))),
+            "packed_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "sdpa", Path(tmp))),
+        }
+        for kind in args.kinds:
+            if kind == "equal":
+                fn = lambda: equal(model, p)  # noqa: E731
+            else:
+                fn = runs[kind]
+            try:
+                fn()  # warm-up: compile, autotune, allocator, pinned pool
+                sync()
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                for _ in range(p["repeats"]):
+                    out = fn()
+                sync()
+            except Exception as e:  # one failing kind must not lose the others' figures
+                r = {"kind": kind, "status": f"{type(e).__name__}: {str(e)[:300]}"}
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                continue
+            seconds = (time.perf_counter() - t0) / p["repeats"]
+            mix = out[1] if kind == "equal" else lengths
+            n = out[0] if kind == "equal" else sum(lengths)
+            r = {"kind": kind, "status": "ok", "tokens": n, "tokens_per_s": round(n / seconds, 1)}
+            if kind.startswith("packed"):
+                r["bytes_per_token"] = out[1]["bytes_per_token"]
+            if ceiling:
+                r["mfu"] = round(r["tokens_per_s"] * flops_per_token(model, mix) / ceiling, 3)
+            if device.type == "cuda":
+                r["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    base = next((r["tokens_per_s"] for r in results if r["kind"] == "padded_hf"
+                 and r["status"] == "ok"), None)
+    for r in results:
+        if base and r["status"] == "ok":
+            r["vs_padded_hf"] = round(r["tokens_per_s"] / base, 2)
+    out = {"command": "python " + " ".join(sys.argv), "preset": args.preset,
+           "work_dir": str(args.work or tempfile.gettempdir()),
+           "lengths": lengths, "device": torch.cuda.get_device_name(device)
+           if device.type == "cuda" else "cpu", "torch": torch.__version__,
+           "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None, "results": results}
+    print(f"\n{'kind':>12} {'tok/s':>10} {'mfu':>6} {'x padded':>9}")
+    for r in results:
+        print(f"{r['kind']:>12} {r.get('tokens_per_s', r['status'][:40]):>10} {r.get('mfu', '-'):>6} "
+              f"{r.get('vs_padded_hf', '-'):>9}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""What the kernels of this package share: the mode that picks kernel or reference
+(DRAFTSMITH_KERNELS=ref|cuda|auto, or `use`), and building one CUDA extension on first use
+(torch cpp_extension, cached in TORCH_EXTENSIONS_DIR) for sm_90 (the H200 target) plus the
+running device's own arch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+MODES = ("auto", "ref", "cuda")
+ENV = "DRAFTSMITH_KERNELS"
+_mode: str | None = None  # set by use(); None defers to the environment
+
+
+def use(mode: str | None) -> None:
+    """Override DRAFTSMITH_KERNELS for this process: 'auto', 'ref', 'cuda', or None to defer."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
+    global _mode
+    _mode = mode
+
+
+def current_mode() -> str:
+    mode = _mode or os.environ.get(ENV, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{ENV} must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def build(name: str, source: str):
+    """-> (module, None, None), or (None, reason, error) when it cannot be built here."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device", None
+    try:
+        from torch.utils import cpp_extension
+
+        major, minor = torch.cuda.get_device_capability()
+        archs = dict.fromkeys(["90", f"{major}{minor}"])
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        ext = cpp_extension.load(name=name, sources=[str(Path(__file__).with_name(source))],
+                                 extra_cflags=["-O3"], extra_cuda_cflags=["-O3", *gencode])
+        return ext, None, None
+    except Exception as e:  # no nvcc or ninja, a compiler error, a driver mismatch...
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        return None, f"build failed: {type(e).__name__}: {first_line}", e
