@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_ttt import matmul_ceiling  # noqa: E402
+from train_ttt import matmul_ceiling, run_info, save_results  # noqa: E402
 
 PRESETS = {
     "8b": dict(config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -227,18 +227,14 @@ def main(argv=None):
     for r in results:
         if base and r["status"] == "ok":
             r["vs_padded_hf"] = round(r["tokens_per_s"] / base, 2)
-    out = {"command": "python " + " ".join(sys.argv), "preset": args.preset,
-           "work_dir": str(args.work or tempfile.gettempdir()),
-           "lengths": lengths, "device": torch.cuda.get_device_name(device)
-           if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None, "results": results}
+    out = {**run_info(device, ceiling), "preset": args.preset,
+           "work_dir": str(args.work or tempfile.gettempdir()), "lengths": lengths,
+           "results": results}
     print(f"\n{'kind':>12} {'tok/s':>10} {'mfu':>6} {'x padded':>9}")
     for r in results:
         print(f"{r['kind']:>12} {r.get('tokens_per_s', r['status'][:40]):>10} {r.get('mfu', '-'):>6} "
               f"{r.get('vs_padded_hf', '-'):>9}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(args.json, out)
     return out
 
 

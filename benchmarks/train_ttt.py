@@ -239,19 +239,29 @@ def main(argv=None):
                 r["mfu"] = round(r["tokens_per_s"] * flops_per_token(p, T) / ceiling, 3)
             results.append(r)
             print(json.dumps(r), flush=True)
-    out = {"command": "python " + " ".join(sys.argv), "preset": args.preset, "shape": p, "device": torch.cuda.get_device_name(device)
-           if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None,
-           "results": results, "soft_ce_kernel": kernel_ratio(device, p)}
+    out = {**run_info(device, ceiling), "preset": args.preset, "shape": p, "results": results,
+           "soft_ce_kernel": kernel_ratio(device, p)}
     print(f"\n{'T':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} {'mfu':>6}")
     for r in results:
         print(f"{r['T']:>6} {r['kind']:>10} {r.get('tokens_per_s', r['status']):>10} "
               f"{r.get('peak_memory_gb', '-'):>8} {r.get('mfu', '-'):>6}")
     print("soft-CE kernel:", out["soft_ce_kernel"])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(args.json, out)
     return out
+
+
+def run_info(device, ceiling) -> dict:
+    """What every benchmark result file starts with: the command, the machine, the ceiling."""
+    return {"command": "python " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None}
+
+
+def save_results(path: Path | None, out: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":
