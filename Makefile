@@ -38,9 +38,9 @@ repro: install
 test: install vllm
 	DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest
 
-# Unit tests only (no DVC pipeline runs, no vLLM server): a few minutes, for the edit loop.
+# Unit tests only (no DVC pipeline runs, no vLLM server, no torchrun): a few minutes, for the edit loop.
 test-fast: install
-	$(BIN)/python -m pytest -m "not e2e and not vllm" --ignore=tests/test_vllm.py
+	$(BIN)/python -m pytest -m "not e2e and not vllm and not distributed" --ignore=tests/test_vllm.py
 
 # CPU hot-path benchmarks (pytest-benchmark), kept out of `make test`; the GPU benchmark
 # scripts beside them run by hand (benchmarks/results/README.md).

@@ -15,6 +15,9 @@ Aux layers (2, 16, 29) as vLLM's default.
 - packed / packed_fp8: `hidden.write_hidden` itself (rows of row_tokens, flex attention on a
   GPU, side-stream copies into pinned memory, shards written by a thread to a temp dir);
   packed_sdpa: the same with SDPA (masked blocks computed, not skipped).
+- On request (diagnostics): packed_nowrite, the same without writing shards (the extraction
+  alone); packed_save_file, the same with `safetensors.torch.save_file` and a second pass for
+  the sha256 (the stage's writer before `safetensors_write`).
 - equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies: the ceiling an
   extraction can reach on this model, measured here.
 
@@ -136,21 +139,37 @@ def before(model, seqs, layers, batch=16):
             aux[r, :n].to("cpu", torch.bfloat16), fin[r, :n].to("cpu", torch.bfloat16)
 
 
-def packed(model, p, tok_dir, dtype, attention, work: Path):
+def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage"):
+    """writer: the stage's own (stage), none (shards not written: the extraction alone), or
+    safetensors.torch.save_file plus a second pass for the sha256 (what the stage did before)."""
     import shutil
+    from unittest import mock
 
+    from draftsmith import hidden
     from draftsmith.config import HiddenConfig
-    from draftsmith.hidden import set_attention, write_hidden
 
-    set_attention(model, attention)
-    out = work / f"h-{dtype}-{attention}"
+    hidden.set_attention(model, attention)
+    out = work / f"h-{dtype}-{attention}-{writer}"
+    save = {"stage": hidden._save, "none": lambda t, path: {"bytes": 0, "sha256": ""},
+            "save_file": _save_file_then_hash}[writer]
     try:
-        cfg = HiddenConfig(dtype=dtype, shard_mb=1024, row_tokens=p["row_tokens"],
-                           batch_rows=p["batch_rows"], attention=attention)
-        return write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
+        cfg = HiddenConfig(dtype=dtype, shard_mb=p.get("shard_mb", 1024),
+                           row_tokens=p["row_tokens"], batch_rows=p["batch_rows"],
+                           attention=attention)
+        with mock.patch.object(hidden, "_save", save):
+            return hidden.write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
     finally:
         model.set_attn_implementation("sdpa")
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _save_file_then_hash(tensors, path):
+    from safetensors.torch import save_file
+
+    from draftsmith.atomic import file_sha256
+
+    save_file(tensors, path)
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 @torch.no_grad()
@@ -171,8 +190,14 @@ def main(argv=None):
     ap.add_argument("--json", type=Path)
     ap.add_argument("--work", type=Path, help="where the packed runs write their shards "
                     "(default: a temp dir; /dev/shm keeps the disk out of the figure)")
+    ap.add_argument("--shard-mb", type=float, help="hidden.shard_mb of the packed runs (1024)")
+    ap.add_argument("--samples", type=int, help="samples in the length mix (preset's)")
     args = ap.parse_args(argv)
-    p = PRESETS[args.preset]
+    p = dict(PRESETS[args.preset])
+    if args.shard_mb:
+        p["shard_mb"] = args.shard_mb
+    if args.samples:
+        p["samples"] = args.samples
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ceiling = matmul_ceiling(device)
@@ -190,6 +215,11 @@ def main(argv=None):
             "packed_fp8": lambda: (None, packed(model, p, tok, "float8_e4m3fn", "auto",
                                                 Path(tmp))),
             "packed_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "sdpa", Path(tmp))),
+            # diagnostics, on request: the extraction without writing, and the earlier writer
+            "packed_nowrite": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
+                                                    Path(tmp), "none")),
+            "packed_save_file": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
+                                                      Path(tmp), "save_file")),
         }
         for kind in args.kinds:
             if kind == "equal":

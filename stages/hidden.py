@@ -5,4 +5,4 @@ from draftsmith.stage import stage_main
 
 if __name__ == "__main__":
     stage_main("hidden", lambda cfg, a: hidden.run(cfg.hidden, a.target, a.tokenized, a.out),
-               paths=["target", "tokenized", "out"])
+               paths=["target", "tokenized", "out"], distributed=True)

@@ -9,4 +9,4 @@ if __name__ == "__main__":
                                                  a.checkpoints, a.curve, a.plot, a.tokenized,
                                                  cfg.hidden),
                paths=["target", "tokenized", "hidden", "vocab", "out", "checkpoints", "curve",
-                      "plot"])
+                      "plot"], distributed=True)

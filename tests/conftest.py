@@ -133,7 +133,7 @@ def tiny_llama(vocab: int, hidden: int, sharpen: float, max_positions: int):
     return model
 
 
-def random_drafter(target, draft_vocab: int, seed: int = 1):
+def random_drafter(target, draft_vocab: int, seed: int = 1, aux_layers=(1, 2, 3)):
     """A random EAGLE-3 drafter sized to `target`, sharing its embeddings; the draft vocab is
     the first `draft_vocab` tokens (d2t offsets 0)."""
     import torch
@@ -144,7 +144,7 @@ def random_drafter(target, draft_vocab: int, seed: int = 1):
     h, v = target.config.hidden_size, target.config.vocab_size
     c = DrafterConfig(hidden_size=h, target_hidden_size=h, num_heads=2, num_kv_heads=1,
                       head_dim=h // 2, intermediate_size=2 * h, vocab_size=v,
-                      draft_vocab_size=draft_vocab, aux_layers=(1, 2, 3))
+                      draft_vocab_size=draft_vocab, aux_layers=tuple(aux_layers))
     d = Eagle3Drafter(c)
     d.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight)
     d.t2d[torch.arange(draft_vocab)] = True

@@ -7,6 +7,7 @@ answering each prompt deterministically from its id, and misbehaving on the requ
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -342,6 +343,22 @@ def test_template_without_thinking_tokens_is_refused(toy_target, tmp_path, fault
               "request, naming both fixes")
 
 
+def test_prompts_longer_than_the_context_fail_before_work(toy_target, tmp_path, fault_row):
+    from draftsmith.target_info import context_length
+
+    context = context_length(toy_target)
+    source = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "What is 2 + 3?"}, {"prompt": " ".join(["7 + 8"] * context)}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = GenerateConfig(source=str(source), num_samples=2, max_new_tokens=64)
+    with pytest.raises(DraftsmithError, match=f"(?s)1 of 2 prompts do not fit the target's "
+                       f"context of {context} tokens.*row 1.*remove or shorten"):
+        generate.run(cfg, toy_target, tmp_path / "raw")
+    assert not (tmp_path / "raw").exists()
+    fault_row("prompt longer than the target's context", "generate refuses before any request, "
+              "naming the row, its length and the fix")
+
+
 @pytest.mark.parametrize("fault, lines, needle", [
     ("prompts file with invalid UTF-8", [b'{"prompt": "fine"}', b'{"prompt": "caf\xe9 \xff"}'],
      r"line 2 is not valid UTF-8.*re-encode the file as UTF-8"),
@@ -357,3 +374,107 @@ def test_bad_prompt_files_fail_before_work(toy_target, tmp_path, fault, lines, n
         generate.run(cfg, toy_target, tmp_path / "raw")
     assert not (tmp_path / "raw").exists()
     fault_row(fault, "generate refuses before any request, naming the line or row and the fix")
+
+
+@pytest.fixture(scope="module")
+def raw_samples(toy_target, tmp_path_factory) -> Path:
+    from draftsmith import generate
+
+    raw = tmp_path_factory.mktemp("raw") / "raw"
+    generate.run(GenerateConfig(num_samples=24, max_new_tokens=64, batch_size=8), toy_target,
+                 raw)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def some_drafter(toy_target, tmp_path_factory) -> Path:
+    """A random drafter in the train stage's layout (what `export` reads)."""
+    from conftest import random_drafter
+    from draftsmith.checkpoint import save_drafter
+    from draftsmith.target_info import load_model
+
+    out = tmp_path_factory.mktemp("drafter") / "drafter"
+    # aux layers from 2, as vLLM numbers them (an SGLang export refuses a first id of 0)
+    save_drafter(random_drafter(load_model(toy_target, "cpu"), 128, aux_layers=(2, 3, 4)), out)
+    return out
+
+
+def _stage_cmd(stage: str, toy_target: Path, inputs: dict, work: Path) -> tuple[list[str], Path]:
+    """The stage's command line (as dvc.yaml runs it) and the artifact it writes."""
+    from conftest import TINY_TARGET
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["target"]["embedded"].update(TINY_TARGET, train_steps=20)
+    params["generate"].update(num_samples=24, max_new_tokens=64, batch_size=4)
+    params["tokenize"].update(on_format_error="drop")
+    params["vocab"].update(draft_vocab_size=128)
+    params["benchmark"].update(num_prompts=3, max_new_tokens=24, temperatures=[0.0])
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    target = ["--target", toy_target]
+    args = {"target": ["--out", work / "target"],
+            "generate": [*target, "--out", work / "raw", "--work", work / "gen.work"],
+            "tokenize": [*target, "--raw", inputs["raw"], "--out", work / "tok"],
+            "vocab": [*target, "--tokenized", work / "tok", "--out", work / "vocab"],
+            "export": [*target, "--drafter", inputs["drafter"], "--out", work / "export"],
+            "benchmark": [*target, "--drafter", inputs["drafter"], "--export", inputs["drafter"],
+                          "--raw", inputs["raw"], "--work", work / "bench.work", "--plot",
+                          work / "acceptance.png"]}[stage]
+    out = {"target": work / "target", "generate": work / "raw", "tokenize": work / "tok",
+           "vocab": work / "vocab", "export": work / "export",
+           "benchmark": work / "acceptance.png"}[stage]
+    return [sys.executable, "-m", f"stages.{stage}", "--params", str(work / "params.yaml"),
+            *map(str, args)], out
+
+
+# hidden: test_sigkilled_hidden_stage_resumes_to_the_same_artifact; train: test_distributed.py
+@pytest.mark.parametrize("stage", ["target", "generate", "tokenize", "vocab", "export",
+                                   "benchmark"])
+def test_sigkilled_stage_leaves_no_partial_artifact(toy_target, raw_samples, some_drafter,
+                                                    tmp_path, stage, fault_row):
+    """SIGKILL while the stage writes its artifact (written into its temp sibling, not yet
+    renamed; for generate, with finished samples in its journal): no artifact, and the rerun
+    ends with the uninterrupted run's artifact and no temp left behind."""
+    from draftsmith.generate import JOURNAL_FILE
+
+    inputs = {"raw": raw_samples, "drafter": some_drafter}
+
+    def run(work: Path, kill: bool) -> Path:
+        work.mkdir(exist_ok=True)
+        if stage == "vocab":  # its input: an uninterrupted tokenize run
+            cmd, _ = _stage_cmd("tokenize", toy_target, inputs, work)
+            subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+        cmd, out = _stage_cmd(stage, toy_target, inputs, work)
+        if not kill:
+            subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+            return out
+        # The stage stops with its artifact written to the temp sibling, not yet renamed: the
+        # worst moment to die. generate dies once its journal holds finished samples.
+        env = dict(os.environ, DRAFTSMITH_FAULT_PAUSE_BEFORE_RENAME="1")
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+        deadline = time.time() + 300
+        writing = (lambda: (work / "gen.work" / JOURNAL_FILE).exists()) if stage == "generate" \
+            else (lambda: any(f.rglob("*.*") for f in out.parent.glob(f".{out.name}.*.tmp")))
+        while not writing():
+            assert proc.poll() is None and time.time() < deadline, "ended before writing"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return out
+
+    out = run(tmp_path / "killed", kill=True)
+    assert not out.exists()
+    cmd, _ = _stage_cmd(stage, toy_target, inputs, tmp_path / "killed")
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)  # the rerun
+    assert _same_tree(out, run(tmp_path / "ref", kill=False))
+    assert not list(out.parent.glob(".*.tmp"))
+    fault_row(f"{stage} stage SIGKILLed while writing its artifact", "no partial artifact; the "
+              "rerun gives the uninterrupted run's artifact and leaves no temp file")
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    if a.is_file():
+        return a.read_bytes() == b.read_bytes()
+    files = lambda d: sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file())  # noqa: E731
+    return files(a) == files(b) and all((a / f).read_bytes() == (b / f).read_bytes()
+                                        for f in files(a))

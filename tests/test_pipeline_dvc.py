@@ -127,3 +127,21 @@ def test_status_is_clean_and_outs_are_gitignored(repo):
     assert "up to date" in dvc("status", cwd=repo).stdout
     ignored = (repo / "models/.gitignore").read_text() + (repo / "data/.gitignore").read_text()
     assert "/target" in ignored and "/raw" in ignored and "/tokenized" in ignored
+
+
+def test_a_drafter_to_finetune_is_a_dep_of_train(repo):
+    """train.init: models/init fine-tunes the drafter there, and dvc.yaml tracks that folder:
+    a changed drafter makes train stale (and only it, until its output changes). A path elsewhere is
+    refused, since DVC would not see it change."""
+    from draftsmith.config import ConfigError, load_config
+
+    drafter = repo / "models" / "init" / "model.safetensors"
+    drafter.write_bytes(b"a drafter")
+    try:
+        stale = dvc("status", "--json", cwd=repo).stdout
+        assert set(json.loads(stale)) == {"train"}  # export and benchmark follow its output
+    finally:
+        drafter.unlink()
+    assert "up to date" in dvc("status", cwd=repo).stdout
+    with pytest.raises(ConfigError, match="(?s)not tracked by DVC.*models/init"):
+        load_config(repo / "params.yaml", [f"train.init={repo / 'models'}"])

@@ -87,7 +87,8 @@ def test_packed_rows_train_each_sample_as_if_alone():
 
 @pytest.mark.parametrize("kind", ["soft_ce", "kl"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_fused_loss_matches_reference(kind, rows):
+@pytest.mark.parametrize("chunk", [7, 16])  # 7: a group per row; 16: two rows a group
+def test_fused_loss_matches_reference(kind, rows, chunk):
     """Chunked target, fused linear + soft-CE (the kernel's PyTorch reference on the CPU)
     against full logits + autograd: loss, per-step stats and every gradient, in float64."""
     m = drafter()
@@ -101,7 +102,8 @@ def test_fused_loss_matches_reference(kind, rows):
     ref_grads = _grads(m)
     m.zero_grad()
     view = target_view(batch, head, draft_ids, m.t2d, chunk=5)  # several chunks
-    loss, stats = ttt_loss(m, batch, view, steps, weights, kind, dtype=torch.float64, chunk=7)
+    loss, stats = ttt_loss(m, batch, view, steps, weights, kind, dtype=torch.float64,
+                           chunk=chunk)
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(stats, ref_stats, rtol=1e-6, atol=0)  # fp32 metrics
@@ -283,3 +285,25 @@ def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
     out = json.loads((tmp_path / "r.json").read_text())
     assert {r["kind"] for r in out["results"]} == {"naive", "naive_bf16", "reference", "fast"}
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in out["results"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_weight_gradient_adds_bf16_products_into_fp32(device):
+    """loss.add_mm: acc += a @ b with bf16 a, b and an fp32 acc. On a GPU cuBLAS adds the fp32
+    product itself: fp32-accurate (a bf16-rounded product, the fallback, is 100x off that);
+    on the CPU the fallback's error stays within bf16 rounding of the product."""
+    from draftsmith.train.loss import add_mm
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(300, 1000, generator=g).to(torch.bfloat16)
+    b = torch.randn(1000, 200, generator=g).to(torch.bfloat16)
+    acc0 = torch.randn(300, 200, generator=g)
+    acc = acc0.clone().to(device)
+    add_mm(acc, a.to(device), b.to(device))
+    add_mm(acc, a.to(device), b.to(device))
+    product = a.double() @ b.double()
+    err = (acc.cpu().double() - (acc0.double() + 2 * product)).abs()
+    if device == "cuda":
+        assert err.max() < 2e-3, float(err.max())
+    else:
+        assert (err <= 2 * 2 ** -8 * product.abs() + 1e-4).all()

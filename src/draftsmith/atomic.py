@@ -13,13 +13,21 @@ from pathlib import Path
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success it replaces `path` (file or directory)."""
+    """Yield a temporary sibling path; on success it replaces `path` (file or directory).
+    One writer per path (a stage's own outputs): a temp sibling left by a killed earlier run
+    is removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a SIGKILLed writer
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     target = tmp / path.name
     try:
         yield target
+        if os.environ.get("DRAFTSMITH_FAULT_PAUSE_BEFORE_RENAME"):  # the fault suite's kill point
+            import time
+
+            time.sleep(3600)
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         os.replace(target, path)

@@ -219,6 +219,25 @@ class BenchmarkConfig(_Section):
         return self
 
 
+class DistributedConfig(_Section):
+    """How the hidden and train stages are launched: more than one process means torchrun."""
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "draftsmith"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+    @model_validator(mode="after")
+    def _multi_node(self):
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint: the head node's "
+                             "host:port, the same on every node")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
+        return self
+
+
 class ExportConfig(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
@@ -231,6 +250,7 @@ class Config(_Section):
     vocab: VocabConfig = VocabConfig()
     hidden: HiddenConfig = HiddenConfig()
     train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
     export: ExportConfig = ExportConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
 
@@ -307,6 +327,7 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
     except ValidationError as exc:
         raise _explain(exc, str(path)) from None
     check_static(cfg)
+    check_init_tracked(cfg.train, Path(path).parent)
     if cfg.target.is_embedded:
         emb = cfg.target.embedded
         check_against_target(cfg, vocab_size=emb.vocab_size, num_layers=emb.num_layers)
@@ -330,6 +351,22 @@ def check_static(cfg: Config) -> None:
                 f"lower generate.max_new_tokens to <= {emb.max_seq_len - 96} or raise "
                 "target.embedded.max_seq_len",
             )
+
+
+TRAIN_INIT_DIR = "models/init"  # the train stage's DVC dep for a drafter to fine-tune
+
+
+def check_init_tracked(train: TrainConfig, workspace: Path) -> None:
+    """A drafter to fine-tune must be where dvc.yaml tracks it, or a change to it would not
+    rerun train."""
+    if train.init in ("copy", "scratch"):
+        return
+    if (workspace / train.init).resolve() != (workspace / TRAIN_INIT_DIR).resolve():
+        raise ConfigError(
+            f"train.init: {train.init} is not tracked by DVC, so changing that drafter would "
+            "not rerun train",
+            f"put the drafter (or links to its files) in {TRAIN_INIT_DIR} and set "
+            f"train.init: {TRAIN_INIT_DIR}")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -27,7 +27,7 @@ from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.serving.client import ChatClient, ChatRequest
 from draftsmith.serving.server import serve_target
-from draftsmith.target_info import load_model, load_tokenizer, read_info
+from draftsmith.target_info import context_length, load_model, load_tokenizer, read_info
 
 JOURNAL_FILE = "journal.jsonl"  # finished samples of an unfinished run, in the work dir
 
@@ -68,6 +68,7 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
 
     tokenizer = load_tokenizer(target_dir)
     texts = {p.id: prompt_text(tokenizer, p.messages, cfg.thinking) for p in prompts}
+    _check_context(cfg, prompts, texts, tokenizer, context_length(target_dir))
     work_dir = Path(work_dir or Path(out_dir).parent / f"{Path(out_dir).name}.work")
     journal = Journal(work_dir / JOURNAL_FILE, _journal_key(cfg, info, prompts))
     done = journal.load()
@@ -93,6 +94,28 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
     metrics.update(backend=cfg.backend, resumed_samples=len(prompts) - len(todo),
                    tokens_per_s=round(new_tokens / seconds, 1) if todo and seconds > 0 else None)
     return metrics
+
+
+def _check_context(cfg: GenerateConfig, prompts: list[Prompt], texts: dict, tokenizer,
+                   context: int | None) -> None:
+    """Before any request: every prompt plus max_new_tokens fits the target's context (a
+    server would refuse the request, an in-process model run past its positions)."""
+    if not context:
+        return
+    long = []
+    for row, p in enumerate(prompts):
+        n = len(tokenizer(texts[p.id], add_special_tokens=False)["input_ids"])
+        if n + cfg.max_new_tokens > context:
+            long.append((row, p, n))
+    if long:
+        row, p, n = long[0]
+        room = context - max(m for _, _, m in long)
+        raise DraftsmithError(
+            f"{len(long)} of {len(prompts)} prompts do not fit the target's context of {context} "
+            f"tokens with generate.max_new_tokens={cfg.max_new_tokens}; the first, row {row} "
+            f"(id {p.id}), has {n} prompt tokens",
+            "remove or shorten the long prompts in the source"
+            + (f", or lower generate.max_new_tokens to at most {room}" if room > 0 else ""))
 
 
 def _journal_key(cfg: GenerateConfig, info, prompts: list[Prompt]) -> str:

@@ -13,11 +13,12 @@ positions that restart per sample: transformers turns such position ids into a b
 causal mask (flex attention on a GPU skips the masked blocks; SDPA masks them), so no compute
 goes to padding and no sample sees another. Each forward's real tokens are gathered on the
 device, cast (or fp8-quantized, per token and layer, by draftsmith_kernels.fp8_rows) there,
-and copied into pinned host memory on a side stream; a writer thread saves each finished shard
-(write, then rename) while the GPU runs the next. Shards are sized in bytes (`shard_mb`);
-finished shards survive an interruption and are reused when the stage restarts with the same
-inputs (`resume.json` pins them).
+and copied into pinned host memory on a side stream; writer threads save finished shards
+straight from that memory, hashing them as they go (write, then rename), while the GPU runs
+the next. Shards are sized in bytes (`shard_mb`); finished shards survive an interruption and
+are reused when the stage restarts with the same inputs (`resume.json` pins them).
 
+Under torchrun each process extracts every world-size-th shard; the first writes the manifest.
 `mode: online` stores nothing: the train stage runs the target itself (`capture_rows`).
 """
 
@@ -30,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from draftsmith.artifacts import (HIDDEN_MANIFEST, TOKENIZED_MANIFEST, iter_samples,
@@ -40,6 +41,10 @@ from draftsmith.config import HiddenConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
 
 RESUME = "resume.json"
+# Shards written at once, each by its own thread (write and sha256 release the GIL). One
+# thread wrote a GB shard slower than an H200 extracts one: 19.7K tok/s with the writes,
+# 28.7K without them (benchmarks/results/hidden_extract_h200_writer.json).
+WRITERS = 4
 FP8 = "float8_e4m3fn"
 STATE_KEYS = ("aux", "final", "aux_scale", "final_scale")  # the last two in fp8 shards only
 
@@ -172,7 +177,7 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
     H = model.config.get_text_config().hidden_size
     device = model.device
     lengths = [len(s[1]) for s in samples]
-    rows = pack_rows(lengths, cfg.row_tokens)
+    rows = pack_rows(lengths, cfg.row_tokens)  # as _stored_order
     order = [i for row in rows for i in row]
     host = _HostShard(sum(lengths), len(layers), H, cfg, device)
     at = 0
@@ -207,23 +212,28 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
 
 
 def _save(tensors: dict, path: Path) -> dict:
-    """Write then rename; -> the shard's size and sha256, for the manifest. A full disk
-    leaves no partial file and says so."""
+    """Write then rename; -> the shard's size and sha256 (computed while writing), for the
+    manifest. A full disk leaves no partial file and says so."""
+    from draftsmith.safetensors_write import save_hashed
+
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        save_file(tensors, tmp)
-    except Exception as e:  # OSError, or safetensors' own error wrapping one
+        digest = save_hashed(tensors, tmp)
+    except OSError as e:
         tmp.unlink(missing_ok=True)
-        if getattr(e, "errno", None) == errno.ENOSPC or f"os error {errno.ENOSPC})" in str(e):
+        if e.errno == errno.ENOSPC:
             raise DraftsmithError(
                 f"no space left on the device holding {path.parent} while writing {path.name}",
                 "free space there (a shard is about hidden.shard_mb MiB; hidden.dtype: "
                 "float8_e4m3fn halves them, hidden.mode: online stores none); rerunning the "
                 "stage keeps the shards already written") from e
         raise
-    digest = {"bytes": tmp.stat().st_size, "sha256": file_sha256(tmp)}
     tmp.rename(path)
     return digest
+
+
+def _digest(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def _resume_key(tokenized_dir: Path, cfg: HiddenConfig, layers: list[int], target_rev: str) -> str:
@@ -233,16 +243,26 @@ def _resume_key(tokenized_dir: Path, cfg: HiddenConfig, layers: list[int], targe
 
 
 def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path) -> dict:
-    from draftsmith.target_info import load_model, load_tokenizer, read_info
+    """Under torchrun every process takes every world-size-th shard (data parallel)."""
+    from draftsmith.dist import world
+    from draftsmith.target_info import default_device, load_model, load_tokenizer, read_info
 
+    w = world()
     info = read_info(target_dir)
     layers = check_aux_layers(cfg, info.num_layers)  # before loading anything big
     if cfg.mode == "online":
-        return write_online_manifest(layers, info.hidden_size, out_dir)
-    model = load_model(target_dir, device_map=cfg.device_map)
+        return write_online_manifest(layers, info.hidden_size, out_dir) if w.main else {}
+    if cfg.device_map and w.size > 1:
+        raise DraftsmithError(
+            "hidden.device_map: auto spreads one target over all visible GPUs, so it runs as "
+            f"one process, not {w.size}", "set distributed.nproc_per_node: 1 for a target "
+            "larger than one GPU, or hidden.device_map: null for one target copy per GPU")
+    model = load_model(target_dir, device=str(w.device(default_device())),
+                       device_map=cfg.device_map)
     set_attention(model, cfg.attention)
     pad_id = load_tokenizer(target_dir).pad_token_id or 0
-    return write_hidden(cfg, model, layers, tokenized_dir, out_dir, info.revision or "", pad_id)
+    return write_hidden(cfg, model, layers, tokenized_dir, out_dir, info.revision or "", pad_id,
+                        w)
 
 
 def set_attention(model, attention: str) -> None:
@@ -262,56 +282,79 @@ def write_online_manifest(layers: list[int], hidden_size: int, out_dir: Path) ->
     return {"mode": "online", "aux_layers": layers, "bytes": 0}
 
 
-def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Path, out_dir: Path,
-                 target_revision: str, pad_id: int) -> dict:
-    out_dir = Path(out_dir)
+def _prepare_out(out_dir: Path, key: str) -> None:
+    """Keep the shards of an interrupted run with the same inputs (resume.json says which
+    run), drop anything else and any half-written shard."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    key = _resume_key(tokenized_dir, cfg, layers, target_revision)
     resume = out_dir / RESUME
     if not (resume.exists() and json.loads(resume.read_text())["key"] == key):
-        for f in out_dir.glob("*") if out_dir.exists() else []:
+        for f in out_dir.glob("*"):
             f.unlink()  # a different run's shards: start clean
         write_json(resume, {"key": key})
     for f in out_dir.glob(".*.tmp"):
         f.unlink()  # a shard half-written when the last run was killed
+
+
+def _stored_order(group: list, row_tokens: int) -> list:
+    """A shard's samples in the order extraction stores them (its packed rows, in turn)."""
+    rows = pack_rows([len(g[1]) for g in group], row_tokens)
+    return [group[i] for row in rows for i in row]
+
+
+def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Path, out_dir: Path,
+                 target_revision: str, pad_id: int, w=None) -> dict:
+    """w: this process's place in a torchrun world (dist.World; None = the only process). Each
+    process writes its own shards; the main one then writes the manifest for all."""
+    from draftsmith.dist import World
+
+    w = w or World()
+    out_dir = Path(out_dir)
+    if w.main:
+        _prepare_out(out_dir, _resume_key(tokenized_dir, cfg, layers, target_revision))
+    w.barrier()
     hidden_size = model.config.get_text_config().hidden_size
     per_token = token_bytes(cfg, len(layers), hidden_size)
     samples = list(iter_samples(tokenized_dir))
     plan = plan_shards([len(s[1]) for s in samples], per_token, int(cfg.shard_mb * 2**20))
-    shards, reused, pending = [], 0, []  # pending: (shard entry, the writer's future)
-    bar = tqdm(total=sum(len(s[1]) for s in samples), desc="hidden", unit="tok",
-               unit_scale=True)
-    with ThreadPoolExecutor(max_workers=1) as writer:  # the disk never stalls the GPU
-        for s, members in enumerate(plan):
-            name = f"hidden-{s:05d}.safetensors"
-            group = [samples[i] for i in members]
-            if (out_dir / name).exists():
+    mine = [s for s in range(len(plan)) if s % w.size == w.rank]
+    digests, reused, pending = {}, 0, []  # pending: (shard, the writer's future)
+    bar = tqdm(total=sum(len(samples[i][1]) for s in mine for i in plan[s]), desc="hidden",
+               unit="tok", unit_scale=True, disable=not w.main)
+    with ThreadPoolExecutor(max_workers=WRITERS) as writer:  # the disk never stalls the GPU
+        for s in mine:
+            path = out_dir / f"hidden-{s:05d}.safetensors"
+            group = [samples[i] for i in plan[s]]
+            if path.exists():
                 reused += 1  # written whole by an earlier, interrupted run (write-then-rename)
-                rows = pack_rows([len(g[1]) for g in group], cfg.row_tokens)  # deterministic
-                ordered = [group[i] for row in rows for i in row]
-                digest = writer.submit(lambda f: {"bytes": f.stat().st_size,
-                                                  "sha256": file_sha256(f)}, out_dir / name)
+                future = writer.submit(_digest, path)
             else:
-                ordered, tensors = _extract_shard(model, group, layers, cfg, pad_id)
-                digest = writer.submit(_save, tensors, out_dir / name)
-            entry = {"file": name, "ids": [g[0] for g in ordered],
-                     "lengths": [len(g[1]) for g in ordered]}
-            shards.append(entry)
-            pending.append((entry, digest))
-            if len(pending) > 1:  # at most two shards in host memory
+                _, tensors = _extract_shard(model, group, layers, cfg, pad_id)
+                future = writer.submit(_save, tensors, path)
+            pending.append((s, future))
+            if len(pending) > WRITERS:  # at most WRITERS + 1 shards in host memory
                 done, future = pending.pop(0)
-                done.update(future.result())
+                digests[done] = future.result()
             bar.update(sum(len(g[1]) for g in group))
-        for entry, future in pending:
-            entry.update(future.result())
+        for done, future in pending:
+            digests[done] = future.result()
     bar.close()
+    parts = w.gather((digests, reused))
+    if not w.main:
+        return {}
+    for d, _ in parts:
+        digests.update(d)
+    shards = []
+    for s, members in enumerate(plan):
+        ordered = _stored_order([samples[i] for i in members], cfg.row_tokens)  # deterministic
+        shards.append({"file": f"hidden-{s:05d}.safetensors", "ids": [g[0] for g in ordered],
+                       "lengths": [len(g[1]) for g in ordered], **digests[s]})
     write_json(out_dir / HIDDEN_MANIFEST, {"mode": "offline", "aux_layers": layers,
                                            "hidden_size": hidden_size, "dtype": cfg.dtype,
                                            "shards": shards})
     tokens = sum(len(s[1]) for s in samples)
     return {"mode": "offline", "aux_layers": layers, "samples": len(samples), "tokens": tokens,
-            "shards": len(shards), "reused_shards": reused, "dtype": cfg.dtype,
-            "bytes_per_token": per_token, "bytes": per_token * tokens}
+            "shards": len(shards), "reused_shards": sum(r for _, r in parts), "dtype": cfg.dtype,
+            "bytes_per_token": per_token, "bytes": per_token * tokens, "processes": w.size}
 
 
 def iter_hidden(hidden_dir: Path):

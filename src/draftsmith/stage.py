@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -17,7 +18,9 @@ from draftsmith.errors import DraftsmithError
 
 
 def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
-               paths: list[str]) -> None:
+               paths: list[str], distributed: bool = False) -> None:
+    """distributed: the stage can run data parallel; with `distributed` params asking for more
+    than one process it relaunches itself under torchrun, and only rank 0 writes metrics."""
     parser = argparse.ArgumentParser(prog=f"stages.{name}", description=f"Draftsmith stage '{name}'")
     parser.add_argument("--params", default="params.yaml", help="parameters file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -29,14 +32,29 @@ def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
     # `kill` (and schedulers' preemption) sends SIGTERM: unwind like Ctrl-C so a launched
     # server is stopped and no half-written artifact is left.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main = True
     try:
         cfg = load_config(args.params, args.set)
+        if distributed:
+            from draftsmith import dist
+
+            argv = dist.torchrun_argv(cfg.distributed, f"stages.{name}", sys.argv[1:])
+            if argv:
+                os.execv(argv[0], argv)  # torchrun takes this process's place (and its pid)
+            main = dist.init(cfg.distributed).main
         t0 = time.time()
         metrics = run(cfg, args)
         metrics["wall_s"] = round(time.time() - t0, 1)
     except DraftsmithError as exc:
         print(f"error in stage '{name}': {exc}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if distributed:
+            from draftsmith import dist
+
+            dist.finish()
+    if not main:
+        return
     if args.metrics:
         write_json(args.metrics, metrics)
     print(f"{name}: " + json.dumps(metrics))

@@ -72,6 +72,17 @@ def read_info(artifact_dir: Path) -> TargetInfo:
     return TargetInfo(**json.loads(f.read_text()))
 
 
+def context_length(artifact_dir: Path) -> int | None:
+    """The target's context window (max_position_embeddings of its text config), read from
+    config.json without loading code; None where the config does not say."""
+    info = read_info(artifact_dir)
+    f = info.model_dir(Path(artifact_dir)) / "config.json"
+    if not f.exists():
+        return None
+    config = json.loads(f.read_text())
+    return config.get("text_config", config).get("max_position_embeddings")
+
+
 def load_tokenizer(artifact_dir: Path):
     from transformers import AutoTokenizer
 

@@ -191,7 +191,9 @@ def eval_steps(store: HiddenStore, members: list[int], seq_len: int, batch_size:
 
 def make_batch(store: HiddenStore, rows: list[list[int]], seq_len: int) -> Batch:
     """Rows of sample indices -> one Batch of (len(rows), seq_len) tokens."""
-    first = store.read(rows[0][0])
+    # A process of a data-parallel step may get only an empty row (dist.split): it still
+    # needs the states' width.
+    first = store.read(next((i for row in rows for i in row), 0))
     B = len(rows)
     online = first[0] is None  # no stored states: (B, T, 0) placeholders
     aux = torch.zeros(B, seq_len, 0 if online else first[0].shape[-1],

@@ -10,7 +10,9 @@ waits for the GPU: metrics stay on the device and are read only at logging steps
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import math
 import shutil
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED, drafter_state, load_drafter_weights, save_drafter
 from draftsmith.atomic import atomic_path, check_digest, file_sha256, write_json
 from draftsmith.config import TrainConfig
+from draftsmith.dist import World, check_divides, split, world
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
@@ -51,14 +54,15 @@ class Runtime:
     compile: bool
 
     @classmethod
-    def resolve(cls, cfg: TrainConfig) -> Runtime:
+    def resolve(cls, cfg: TrainConfig, w: World = World()) -> Runtime:
+        """w: this process's place in a torchrun world (its GPU is that of its local rank)."""
         cuda = torch.cuda.is_available()
         if cfg.device == "cuda" and not cuda:
             raise DraftsmithError("train.device is cuda but no GPU is visible to torch",
                                   "set train.device: auto (or cpu), or install a CUDA build "
                                   "of torch")
-        device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and cuda)
-                              else "cpu")
+        device = w.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and cuda)
+                          else "cpu")
         on_gpu = device.type == "cuda"
         attention = cfg.attention if cfg.attention != "auto" else ("flex" if on_gpu else "reference")
         if attention == "flex" and not on_gpu:
@@ -110,15 +114,29 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+class _WholeLoss(torch.nn.Module):
+    """DistributedDataParallel reduces the gradients of what its module's forward computes, so
+    this module's forward is a step's whole TTT loss (which calls the drafter's methods, not
+    its forward)."""
+
+    def __init__(self, compute: Eagle3Drafter, loss_fn):
+        super().__init__()
+        self.compute, self.loss_fn = compute, loss_fn
+
+    def forward(self, batch, view, attend):
+        return self.loss_fn(self.compute, batch, view, attend=attend)
+
+
 class Trainer:
     """The drafter (fp32 master weights), the module each step computes with (a bf16 working
     copy under bf16), the target head on the device, the optimizer, and one TTT step."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, model: Eagle3Drafter, head: TargetHead,
-                 target=None):
+                 target=None, w: World = World()):
         """target: online mode's whole target model (on rt.device), run on every batch for
-        its states; None when they are stored."""
-        self.cfg, self.rt, self.target = cfg, rt, target
+        its states; None when they are stored. w: a torchrun world of more than one process
+        makes each step data parallel (DDP over the working copy)."""
+        self.cfg, self.rt, self.target, self.world = cfg, rt, target, w
         self.model = model.to(rt.device)
         # The frozen embedding is only looked up: keep it in the compute dtype (1 GB, not 2,
         # for a 128K x 4096 table). It is never saved with the drafter.
@@ -142,6 +160,23 @@ class Trainer:
             self.compute.step_qkv = torch.compile(self.compute.step_qkv, dynamic=False)
             self.compute.midlayer.finish = torch.compile(self.compute.midlayer.finish,
                                                          dynamic=False)
+        self.ddp = None
+        if w.size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Each process divides by the global batch's counts over the world size, so the
+            # gradients DDP averages are exactly the global batch's.
+            loss_fn = functools.partial(
+                ttt_loss, steps=cfg.ttt_steps, weights=self.weights, kind=cfg.loss,
+                dtype=rt.dtype, per_step_count=lambda n: w.sum_(n.clone()).clamp_min(1) / w.size)
+            # The frozen embedding and the constant vocab maps are sent once, at construction:
+            # only gradients cross the wire on each step.
+            no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                              inspect.signature(DistributedDataParallel).parameters
+                              else {"broadcast_buffers": False})  # torch < 2.13
+            self.ddp = DistributedDataParallel(
+                _WholeLoss(self.compute, loss_fn), **no_buffer_sync,
+                device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
 
     @torch.no_grad()
     def with_target_states(self, batch):
@@ -151,8 +186,9 @@ class Trainer:
         aux, final = capture_rows(self.target, batch.ids, batch.pos, self.model.config.aux_layers)
         return dataclasses.replace(batch, aux=aux, final=final)
 
-    def loss(self, batch):
-        """-> (loss, per-step stats (steps, 3) [mean loss, correct, counted]) on the device."""
+    def loss(self, batch, training: bool = False):
+        """-> (loss, per-step stats (steps, 3) [mean loss, correct, counted]) on the device;
+        training: through DDP (when data parallel), for a backward pass on every process."""
         if self.target is not None:
             batch = self.with_target_states(batch)
         attend = None
@@ -163,6 +199,8 @@ class Trainer:
             attend = lambda q, k0, v0, ks, vs: self.attend(q, k0, v0, ks, vs, mask)  # noqa: E731
         with self.rt.autocast():
             view = target_view(batch, self.head, self.draft_ids, self.model.t2d)
+            if training and self.ddp is not None:
+                return self.ddp(batch, view, attend)
             return ttt_loss(self.compute, batch, view, self.cfg.ttt_steps, self.weights,
                             self.cfg.loss, attend=attend, dtype=self.rt.dtype)
 
@@ -170,7 +208,7 @@ class Trainer:
         """One optimizer step on `batch`; -> (loss, stats) as for `loss`, still on the device."""
         for g in self.opt.param_groups:
             g["lr"] = lr
-        loss, stats = self.loss(batch)
+        loss, stats = self.loss(batch, training=True)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.working.grads_to_master()
@@ -181,15 +219,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, store: HiddenStore, members: list[int]) -> dict:
-        """Per-step top-1 agreement with the target (and loss) on held-out samples."""
+        """Per-step top-1 agreement with the target (and loss) on held-out samples (data
+        parallel: each process takes its share of the rows, and the sums are added up)."""
         self.compute.eval()
         total = torch.zeros(self.cfg.ttt_steps, 3, device=self.rt.device)
-        for batch in loader(store, eval_steps(store, members, self.cfg.seq_len,
-                                              self.cfg.batch_size),
-                            self.cfg.seq_len, device=self.rt.device, workers=0):
+        steps = [split(rows, self.world)
+                 for rows in eval_steps(store, members, self.cfg.seq_len, self.cfg.batch_size)]
+        for batch in loader(store, [s for s in steps if any(s)], self.cfg.seq_len,
+                            device=self.rt.device, workers=0):
             _, stats = self.loss(batch.to(self.rt.device, non_blocking=True))
             total[:, 0] += stats[:, 0] * stats[:, 2]  # mean loss -> summed over positions
             total[:, 1:] += stats[:, 1:]
+        self.world.sum_(total)
         self.compute.train()
         loss_sum, correct, count = total.T.tolist()
         return {"accuracy": [round(c / max(1, n), 4) for c, n in zip(correct, count)],
@@ -248,7 +289,9 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
     """load_target(device): the whole target, for online mode (the hidden artifact says which)."""
     from draftsmith.vocab import load as load_vocab
 
-    rt = Runtime.resolve(cfg)
+    w = world()
+    check_divides(cfg.batch_size, w)
+    rt = Runtime.resolve(cfg, w)
     d2t, t2d = load_vocab(vocab_dir)
     store = open_store(hidden_dir, tokenized_dir)
     store.check_fits(cfg.seq_len)
@@ -261,7 +304,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
                               "pass load_target (the train stage does)")
     target = load_target(rt.device) if online else None
     trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers), head,
-                      target)
+                      target, w)
     model = trainer.model
     initial = trainer.evaluate(store, eval_ids)
 
@@ -275,32 +318,38 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
     while len(plan) < cfg.steps:
         plan += schedule(store, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, epoch)
         epoch += 1
-    batches = loader(store, plan[start:cfg.steps], cfg.seq_len, device=rt.device,
-                     workers=cfg.num_workers)
+    # The same global steps whatever the world size; each process takes its share of the rows.
+    batches = loader(store, [split(rows, w) for rows in plan[start:cfg.steps]], cfg.seq_len,
+                     device=rt.device, workers=cfg.num_workers)
     tokens = torch.zeros((), dtype=torch.long, device=rt.device)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.time()
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not w.main)
     trainer.compute.train()
     for step, batch in zip(range(start, cfg.steps), batches):
         batch = batch.to(rt.device, non_blocking=True)
         loss, stats = trainer.step(batch, _lr(step, cfg))
         tokens += batch.tokens
         if step % cfg.log_every == 0 or step == cfg.steps - 1:  # the only host sync
-            per = stats.tolist()
+            loss = w.sum_(loss.detach().clone()) / w.size  # the global batch's, as one process
+            per = w.sum_(stats).tolist()
+            per = [[s / w.size, c, n] for s, c, n in per]
             row = {"step": step, "loss": round(float(loss), 4)}
             for j, (_, c, n) in enumerate(per):
                 row[f"acc_{j}"] = round(c / max(1, n), 4)
             curve.append(row)
             bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
         bar.update(1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
+                and w.main):  # every process holds the same weights and optimizer state
             _save_checkpoint(Path(ckpt_dir), model, opt, step + 1, key, curve)
     bar.close()
     seconds = time.time() - t0  # float(loss) above synchronised at the last step
-    trained_tokens = int(tokens)
+    trained_tokens = int(w.sum_(tokens))
     final = trainer.evaluate(store, eval_ids)
+    if not w.main:
+        return {}
 
     save_drafter(model, out_dir)
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # done: nothing left to resume
@@ -319,6 +368,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
         "device": rt.device.type, "compute_dtype": str(rt.dtype).removeprefix("torch."),
         "attention": rt.attention, "hidden_mode": "online" if online else "offline",
+        "processes": w.size,
     }
     if rt.device.type == "cuda":
         metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)

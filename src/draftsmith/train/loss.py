@@ -5,9 +5,9 @@ distribution at position p = t+1+j over the draft vocab, counted where x[p+1] is
 token of the same sample and the target's top token (full vocab) is in the draft vocab.
 
 Memory: the target's logits over the full vocab exist only a chunk of rows at a time (for its
-argmax); over the draft vocab once per batch. The drafter's logits exist only a chunk of rows
-at a time too: `LinearSoftCE` computes lm_head, the soft cross-entropy and its gradient chunk
-by chunk in the forward pass (the fused kernel in `draftsmith_kernels.soft_ce`, or its PyTorch
+argmax); over the draft vocab once per batch. The drafter's logits exist only a group of rows
+at a time too (at most 4 chunks): `LinearSoftCE` computes lm_head, the soft cross-entropy and
+its gradient group by group in the forward pass (the fused kernel in `draftsmith_kernels.soft_ce`, or its PyTorch
 reference), keeping only the gradients, (T, H) and (Vd, H), for the backward pass.
 
 `ttt_loss_reference` is the plain version (full logits, autograd) the tests hold this to.
@@ -53,42 +53,54 @@ def target_view(batch: Batch, head: torch.Tensor, draft_ids: torch.Tensor, t2d: 
 
 
 class LinearSoftCE(torch.autograd.Function):
-    """sum over rows of scale * softCE(x @ weight.T, target), with the logits computed a chunk
-    of rows at a time and the gradient computed in the forward pass.
+    """sum over rows of scale * softCE(x @ weight.T, target), with the gradient computed in the
+    forward pass, a group of rows at a time.
 
     x: (B, L, H); weight: (Vd, H); target: (B, L, Vd) target logits (may be a strided view);
     scale: (B, L) fp32 (0 where a row does not count); shared: the lm_head gradient buffer of
     the losses summed with this one (SharedGrad). Returns (loss, ce, agree): the scalar
     loss (differentiable), and per row the cross-entropy and whether the draft's argmax equals
     the target's (for metrics). With kl=True the loss is KL(target || draft) instead: the same
-    gradient, the target's entropy subtracted."""
+    gradient, the target's entropy subtracted.
+
+    Per group of whole rows b (up to GROUP_CHUNKS x chunk positions, at least one row): one
+    GEMM for the group's logits, the soft cross-entropy turning them into their gradient in
+    place (`chunk` rows a call), then one GEMM each for dx and for the lm_head gradient, which
+    cuBLAS adds straight into the fp32 buffer. At the 8B shape and T=2048 that is 3 GEMMs per
+    TTT step instead of 12, and no bf16 product cast and added to 0.5 GB of fp32 (20 ms a step
+    on an H200: benchmarks/results/profile_fast_T2048_working_copy_h200.txt)."""
 
     @staticmethod
     def forward(ctx, x, weight, target, scale, dtype, kl, chunk, shared: SharedGrad):
         B, L, H = x.shape
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
-        dx = torch.empty(B, L, H, dtype=dtype, device=x.device) if need_dx else None
+        xs = x.to(dtype).reshape(B * L, H)
+        dx = torch.empty(B * L, H, dtype=dtype, device=x.device) if need_dx else None
         dw = shared.buffer(weight) if need_dw else None
         acc = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 in exact tests
         ce = torch.empty(B, L, dtype=acc, device=x.device)
         agree = torch.empty(B, L, dtype=torch.bool, device=x.device)
         loss = torch.zeros((), dtype=acc, device=x.device)
+        per_group = max(1, GROUP_CHUNKS * chunk // max(1, L))
         with torch.autocast(x.device.type, enabled=False):
-            for b in range(B):
-                for a in range(0, L, chunk):
-                    xc = x[b, a:a + chunk].to(dtype)
-                    logits = xc @ w.T  # (rows, Vd)
-                    s = scale[b, a:a + chunk]
-                    c, neg_ent, pred, tpred, g = soft_ce(logits, target[b, a:a + chunk], s,
-                                                         inplace=True)
-                    loss += (s * (c + neg_ent if kl else c)).sum()
-                    ce[b, a:a + chunk], agree[b, a:a + chunk] = c, pred == tpred
-                    if need_dx:
-                        dx[b, a:a + chunk] = g @ w
-                    if need_dw:
-                        dw += (g.T @ xc).to(dw.dtype)  # accumulated in >= fp32
-        ctx.save_for_backward(dx)
+            for b0 in range(0, B, per_group):
+                rows = slice(b0 * L, min(B, b0 + per_group) * L)
+                g = xs[rows] @ w.T  # (rows, Vd) logits, turned into their gradient in place
+                for b in range(b0, min(B, b0 + per_group)):
+                    for a in range(0, L, chunk):
+                        r = (b - b0) * L + a
+                        s = scale[b, a:a + chunk]
+                        c, neg_ent, pred, tpred, _ = soft_ce(g[r:r + len(s)],
+                                                             target[b, a:a + chunk], s,
+                                                             inplace=True)
+                        loss += (s * (c + neg_ent if kl else c)).sum()
+                        ce[b, a:a + chunk], agree[b, a:a + chunk] = c, pred == tpred
+                if need_dx:
+                    torch.mm(g, w, out=dx[rows])
+                if need_dw:
+                    add_mm(dw, g.T, xs[rows])  # accumulated in >= fp32
+        ctx.save_for_backward(None if dx is None else dx.view(B, L, H))
         ctx.x_dtype, ctx.shared = x.dtype, shared
         ctx.mark_non_differentiable(ce, agree)
         return loss, ce, agree
@@ -98,6 +110,28 @@ class LinearSoftCE(torch.autograd.Function):
         (dx,) = ctx.saved_tensors
         gx = None if dx is None else (dx * grad_loss).to(ctx.x_dtype)
         return gx, ctx.shared.take(grad_loss), None, None, None, None, None, None
+
+
+GROUP_CHUNKS = 4  # LinearSoftCE's logits group: 4 x 4096 rows x 32K x 2 bytes = 1 GB at most
+_FUSED_ADD_MM: bool | None = None  # whether this torch adds a bf16 product into fp32 itself
+
+
+def add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc in a wider dtype than a and b (fp32 vs bf16): on CUDA cuBLAS adds the
+    fp32-accumulated product into acc itself (addmm's out_dtype), instead of rounding it to bf16,
+    casting it and adding it (3x the bytes)."""
+    global _FUSED_ADD_MM
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _FUSED_ADD_MM is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _FUSED_ADD_MM = True
+            return
+        except (RuntimeError, TypeError):  # an older torch: no mixed-dtype addmm
+            _FUSED_ADD_MM = False
+    acc += (a @ b).to(acc.dtype)
 
 
 class SharedGrad:
@@ -122,25 +156,35 @@ class SharedGrad:
 
 
 def ttt_loss(model, batch: Batch, view: TargetView, steps: int, weights: list[float], kind: str,
-             attend=None, dtype: torch.dtype = torch.float32, chunk: int = CHUNK_ROWS):
+             attend=None, dtype: torch.dtype = torch.float32, chunk: int = CHUNK_ROWS,
+             per_step_count=None):
     """-> (weighted loss, per-step stats (steps, 3): [mean loss, correct, counted]), all on the
-    device: nothing here waits for the GPU."""
+    device: nothing here waits for the GPU.
+
+    Step j's loss is a mean over its counted positions. per_step_count(counts) -> what to
+    divide by instead of this batch's own counts (at least 1); data parallel passes the global
+    batch's counts over the world size, so the averaged gradients are the global batch's."""
     B, T = batch.ids.shape
+    # chain t is judged at p = t + 1 + j, inside the row
+    counted = [view.valid[:, 1 + j:] & (batch.doc[:, :T - 1 - j] == batch.doc[:, 1 + j:])
+               for j in range(steps)]
+    counts = torch.stack([c.sum() for c in counted])
+    divide_by = counts.clamp_min(1) if per_step_count is None else per_step_count(counts)
     next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))  # next_ids[t + j] = x[t + 1 + j]
     hs = model.unroll(batch.aux.to(model.fc.weight.dtype), next_ids, steps, doc=batch.doc, pos=batch.pos, attend=attend)
     acc = torch.promote_types(view.logits.dtype, torch.float32)
     total, stats, shared = 0.0, [], SharedGrad()
     for j, h in enumerate(hs):
-        L = T - 1 - j  # chain t is judged at p = t + 1 + j, inside the row
-        counted = view.valid[:, 1 + j:] & (batch.doc[:, :L] == batch.doc[:, 1 + j:])
-        n = counted.sum()
-        scale = counted.to(acc) * weights[j] / n.clamp_min(1).to(acc)  # step weight folded in
+        L = T - 1 - j
+        n = counts[j]
+        # step weight folded in
+        scale = counted[j].to(acc) * weights[j] / divide_by[j].to(acc)
         loss, _, agree = LinearSoftCE.apply(model.norm(h[:, :L]), model.lm_head.weight,
                                             view.logits[:, 1 + j:], scale, dtype,
                                             kind == "kl", chunk, shared)
         total = total + loss  # weight one: see SharedGrad
         stats.append(torch.stack([(loss.detach() / weights[j]).float(),
-                                  (agree & counted).sum().float(), n.float()]))
+                                  (agree & counted[j]).sum().float(), n.float()]))
     return total, torch.stack(stats)
 
 
