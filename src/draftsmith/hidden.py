@@ -39,6 +39,7 @@ from draftsmith.artifacts import (HIDDEN_MANIFEST, TOKENIZED_MANIFEST, iter_samp
 from draftsmith.atomic import file_sha256, write_json
 from draftsmith.config import HiddenConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
+from draftsmith.packing import first_fit
 
 RESUME = "resume.json"
 # Shards written at once, each by its own thread (write and sha256 release the GIL). One
@@ -91,20 +92,9 @@ def capture_rows(model, ids, pos, aux_layers: list[int]):
 
 
 def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
-    """Sample indices into rows of at most row_tokens tokens: longest first, first fit over the
-    last 64 open rows (O(samples)); a sample longer than a row gets a row of its own."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        r = next((r for r in range(max(0, len(rows) - 64), len(rows)) if room[r] >= n), None)
-        if r is None:
-            rows.append([])
-            room.append(max(row_tokens, n))
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= n
-    return rows
+    """Sample indices into rows of at most row_tokens tokens, longest first (first fit); a
+    sample longer than a row gets a row of its own."""
+    return first_fit(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, row_tokens)
 
 
 def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int) -> list[range]:
@@ -173,12 +163,11 @@ class _HostShard:
 
 
 def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, pad_id: int):
-    """-> (the shard's samples in their stored order, its host tensors)."""
+    """-> the shard's host tensors, its samples in their stored order (_stored_order)."""
     H = model.config.get_text_config().hidden_size
     device = model.device
     lengths = [len(s[1]) for s in samples]
-    rows = pack_rows(lengths, cfg.row_tokens)  # as _stored_order
-    order = [i for row in rows for i in row]
+    rows = pack_rows(lengths, cfg.row_tokens)
     host = _HostShard(sum(lengths), len(layers), H, cfg, device)
     at = 0
     for b in range(0, len(rows), cfg.batch_rows):
@@ -201,14 +190,14 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
         host.put(at, aux.reshape(-1, aux.shape[-1]).index_select(0, sel),
                  fin.reshape(-1, H).index_select(0, sel))
         at += n
-    ordered = [samples[i] for i in order]
+    ordered = [samples[i] for row in rows for i in row]  # as _stored_order
     tensors = host.done()
     tensors.update({
         "input_ids": torch.cat([s[1] for s in ordered]).to(torch.int32),
         "loss_mask": torch.cat([s[2] for s in ordered]).to(torch.uint8),
         "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s[1]) for s in ordered]), 0),
     })
-    return ordered, tensors
+    return tensors
 
 
 def _save(tensors: dict, path: Path) -> dict:
@@ -328,7 +317,7 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
                 reused += 1  # written whole by an earlier, interrupted run (write-then-rename)
                 future = writer.submit(_digest, path)
             else:
-                _, tensors = _extract_shard(model, group, layers, cfg, pad_id)
+                tensors = _extract_shard(model, group, layers, cfg, pad_id)
                 future = writer.submit(_save, tensors, path)
             pending.append((s, future))
             if len(pending) > WRITERS:  # at most WRITERS + 1 shards in host memory

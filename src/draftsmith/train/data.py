@@ -25,6 +25,7 @@ from safetensors import safe_open
 from draftsmith.artifacts import TOKENIZED_MANIFEST, read_hidden_manifest
 from draftsmith.hidden import STATE_KEYS, hidden_states
 from draftsmith.errors import DraftsmithError
+from draftsmith.packing import first_fit
 
 
 @dataclass
@@ -155,23 +156,12 @@ def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenSto
     return HiddenStore(hidden_dir)
 
 def pack(lengths: dict[int, int], seq_len: int, rng: random.Random | None) -> list[list[int]]:
-    """Pack samples (index -> length) into rows of at most seq_len tokens: first fit over the
-    open rows, in random order (rng) or in index order (None, for evaluation)."""
+    """Pack samples (index -> length) into rows of at most seq_len tokens: first fit, in random
+    order (rng) or in index order (None, for evaluation)."""
     order = sorted(lengths)
     if rng is not None:
         rng.shuffle(order)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        n = lengths[i]
-        r = next((r for r in range(max(0, len(rows) - 64), len(rows)) if room[r] >= n), None)
-        if r is None:  # only the last 64 rows are searched: packing stays O(samples)
-            rows.append([])
-            room.append(seq_len)
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= n
-    return rows
+    return first_fit(order, lengths, seq_len)
 
 
 def schedule(store: HiddenStore, members: list[int], seq_len: int, batch_size: int,

@@ -333,8 +333,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         tokens += batch.tokens
         if step % cfg.log_every == 0 or step == cfg.steps - 1:  # the only host sync
             loss = w.sum_(loss.detach().clone()) / w.size  # the global batch's, as one process
-            per = w.sum_(stats).tolist()
-            per = [[s / w.size, c, n] for s, c, n in per]
+            per = w.sum_(stats).tolist()  # correct and counted positions of the global batch
             row = {"step": step, "loss": round(float(loss), 4)}
             for j, (_, c, n) in enumerate(per):
                 row[f"acc_{j}"] = round(c / max(1, n), 4)
