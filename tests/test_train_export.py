@@ -204,6 +204,8 @@ def _wrong_layers(c):
      "tensor fc.weight has shape"),
     ("wrong_dtype", lambda t: t.update({"d2t": t["d2t"].to(torch.int32)}), None,
      "d2t has dtype torch.int32"),
+    ("normed_before_fc", None, lambda c: c["eagle_config"].update(norm_before_fc=True),
+     "trained on them un-normalized (captured before the norm"),
 ])
 def test_corrupted_exports_fail_clearly(toy_target, exported, tmp_path, name, tensors, config,
                                         needle):

@@ -176,6 +176,18 @@ def test_interrupted_stage_stops_the_server_it_launched(repo, tmp_path):
     assert len(journal.read_text().splitlines()) >= 1 + 20  # the work done so far is kept
 
 
+def held_out_greedy(cfg: BenchmarkConfig, repo: Path):
+    """The benchmark's held-out prompts and the target's own greedy outputs for them, run
+    in-process: -> (prompts, tokenizer, completions)."""
+    prompts, _ = benchmark.held_out_prompts(cfg, repo / "data/raw")
+    target = repo / "models/target"
+    tok, model = load_tokenizer(target), load_model(target)
+    alone = complete(model, tok, [prompt_text(tok, p.messages, True) for p in prompts],
+                     eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                     max_new_tokens=cfg.max_new_tokens)
+    return prompts, tok, alone
+
+
 def set_params(repo: Path, section: str, values: dict) -> None:
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params[section].update(values)
@@ -223,12 +235,8 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
     save_file(tensors, no_d2t / "model.safetensors")
 
     cfg = BenchmarkConfig(num_prompts=60, temperatures=[0.0])
-    prompts, _ = benchmark.held_out_prompts(cfg, repo / "data/raw")
     target = repo / "models/target"
-    tok, model = load_tokenizer(target), load_model(target)
-    alone = complete(model, tok, [prompt_text(tok, p.messages, True) for p in prompts],
-                     eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                     max_new_tokens=cfg.max_new_tokens)
+    prompts, tok, alone = held_out_greedy(cfg, repo)
     al = {}
     for name, draft in [("good", export / "vllm"), ("wrong aux ids", wrong_ids),
                         ("no d2t", no_d2t)]:

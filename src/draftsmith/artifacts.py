@@ -44,9 +44,11 @@ def load_target_head(target_dir: Path):
         from draftsmith.target_info import download
 
         model_dir, _ = download(TargetConfig(model=info.model, revision=info.revision))
+    # A multimodal wrapper's names differ from its text model's (Kimi-K2.5:
+    # `language_model.model.embed_tokens.weight`): _read_tensors matches them by suffix.
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=info.trust_remote_code)
     with torch.device("meta"):  # names only: no memory
-        skeleton = AutoModelForCausalLM.from_config(config,
+        skeleton = AutoModelForCausalLM.from_config(config.get_text_config(),
                                                     trust_remote_code=info.trust_remote_code)
     names = {id(p): n for n, p in skeleton.named_parameters()}  # a tied weight: its first name
     wanted = {
@@ -57,7 +59,7 @@ def load_target_head(target_dir: Path):
     tensors = _read_tensors(model_dir, wanted)
     if tensors["lm_head"] is None:  # tied: the checkpoint stores the embedding only
         tensors["lm_head"] = tensors["embed"]
-    return config.get_text_config(), tensors["embed"], tensors["lm_head"], tensors["norm"]
+    return skeleton.config, tensors["embed"], tensors["lm_head"], tensors["norm"]
 
 
 def _read_tensors(model_dir: Path, wanted: dict[str, str]) -> dict:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from draftsmith.errors import ConfigError
 
 EMBEDDED = "embedded"
+EMBEDDED_MLA = "embedded-mla"  # the same toy as a DeepSeek-V3 model (MLA + MoE), like Kimi-K2.5
 
 
 class _Section(BaseModel):
@@ -83,7 +84,7 @@ class TargetConfig(_Section):
 
     @property
     def is_embedded(self) -> bool:
-        return self.model == EMBEDDED
+        return self.model in (EMBEDDED, EMBEDDED_MLA)
 
 
 class GenerateConfig(_Section):

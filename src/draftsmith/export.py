@@ -72,6 +72,8 @@ def _config(c: DrafterConfig, engine: str, dtype: str, provenance: dict) -> dict
             "engine": engine,
             "aux_layer_convention": CONVENTION[engine],
             "aux_layers_vllm_convention": list(c.aux_layers),
+            "aux_capture": "the residual stream entering each layer, before any norm "
+                           "(norm_before_fc: false)",
             **provenance,
         },
     }
@@ -158,6 +160,13 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
                 f"({engine_layer_ids(trained, engine)} in {engine}'s convention: "
                 f"{CONVENTION[engine]})")
 
+    norm_before_fc = c.get("eagle_config", {}).get("norm_before_fc", c.get("norm_before_fc"))
+    if norm_before_fc and "input_norm.weight" not in t:
+        problems.append(
+            "norm_before_fc is true but there is no input_norm.weight: the engine would "
+            "RMS-normalize the captured states (a unit-weight norm) before fc, while this drafter "
+            "was trained on them un-normalized (captured before the norm: "
+            f"{CONVENTION['vllm']}); set norm_before_fc: false")
     if "eagle_config" in c:
         for name, shape in _expected_shapes(c).items():
             if name not in t:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.chat_probe import resolve_format
-from draftsmith.config import TargetConfig
+from draftsmith.config import EMBEDDED_MLA, TargetConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import MANIFEST, TargetInfo, download
 
@@ -69,7 +69,7 @@ def _resolve_into(cfg: TargetConfig, out_dir: Path) -> dict:
 
     metrics: dict = {}
     if cfg.is_embedded:
-        metrics = build.build(cfg.embedded, out_dir / "model")
+        metrics = build.build(cfg.embedded, out_dir / "model", mla=cfg.model == EMBEDDED_MLA)
         model_dir, path, kind = out_dir / "model", "model", "embedded"
         revision = _fingerprint(model_dir)
     elif Path(cfg.model).is_dir():

