@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from conftest import TINY_TARGET
 from draftsmith import export, hidden, train, vocab
 from draftsmith.atomic import write_json
-from draftsmith.config import (EmbeddedTargetConfig, HiddenConfig, TargetConfig, TrainConfig,
-                               VocabConfig)
+from draftsmith.config import (EmbeddedTargetConfig, ExportConfig, HiddenConfig, TargetConfig,
+                               TrainConfig, VocabConfig)
 from draftsmith.target import resolve
 from draftsmith.target_info import load_model, read_info
 from draftsmith.toy.build import _mla_config
@@ -149,7 +149,7 @@ def test_kimi_k25_layout_goes_through_target_hidden_train_and_export(deepseek_di
                           save_every=0, num_workers=0, ttt_steps=2),
               tmp_path / "target", tmp_path / "hidden", tmp_path / "vocab", tmp_path / "drafter",
               tmp_path / "ckpt")
-    export.run(type("E", (), {"dtype": "float32"})(), tmp_path / "target", tmp_path / "drafter",
+    export.run(ExportConfig(dtype="float32"), tmp_path / "target", tmp_path / "drafter",
                tmp_path / "export")
 
     # What vLLM needs of a drafter for this target: the TEXT model's vocab and hidden size
