@@ -12,11 +12,14 @@ Aux layers (2, 16, 29) as vLLM's default.
   states copied to the host per sample (the usual script).
 - before: the stage before packing (length-sorted batches of 16 padded to their longest,
   forward pre-hooks, per-sample device-to-host copies), states kept in host memory.
-- packed / packed_fp8: `hidden.write_hidden` itself (rows of row_tokens, flex attention on a
-  GPU, side-stream copies into pinned memory, shards written by a thread to a temp dir);
-  packed_sdpa: the same with SDPA (masked blocks computed, not skipped).
-- On request (diagnostics): packed_nowrite, the same without writing shards (the extraction
-  alone); packed_save_file, the same with `safetensors.torch.save_file` and a second pass for
+- packed / packed_fp8: `hidden.write_hidden` itself (`hidden.attention: auto`: on a GPU the
+  varlen attention, each forward's samples in one flat row with nothing padded; side-stream
+  copies into pinned memory, shards written by threads to a temp dir); packed_flex: the same
+  on padded rows of row_tokens with flex attention (the stage before varlen); packed_sdpa:
+  rows with SDPA (masked blocks computed, not skipped); packed_varlen_sdpa: the flat row with
+  one SDPA call per sample instead of the varlen kernel.
+- On request (diagnostics): packed_nowrite and packed_flex_nowrite, without writing shards
+  (the extraction alone); packed_save_file, the same with `safetensors.torch.save_file` and a second pass for
   the sha256 (the stage's writer before `safetensors_write`).
 - equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies: the ceiling an
   extraction can reach on this model, measured here.
@@ -139,13 +142,15 @@ def before(model, seqs, layers, batch=16):
             aux[r, :n].to("cpu", torch.bfloat16), fin[r, :n].to("cpu", torch.bfloat16)
 
 
-def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage"):
+def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage",
+           kernel: str = "auto"):
     """writer: the stage's own (stage), none (shards not written: the extraction alone), or
-    safetensors.torch.save_file plus a second pass for the sha256 (what the stage did before)."""
+    safetensors.torch.save_file plus a second pass for the sha256 (what the stage did before).
+    kernel: the varlen attention's kernel (packed_attention.KERNEL)."""
     import shutil
     from unittest import mock
 
-    from draftsmith import hidden
+    from draftsmith import hidden, packed_attention
     from draftsmith.config import HiddenConfig
 
     hidden.set_attention(model, attention)
@@ -156,7 +161,8 @@ def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage
         cfg = HiddenConfig(dtype=dtype, shard_mb=p.get("shard_mb", 1024),
                            row_tokens=p["row_tokens"], batch_rows=p["batch_rows"],
                            attention=attention)
-        with mock.patch.object(hidden, "_save", save):
+        with mock.patch.object(hidden, "_save", save), \
+                mock.patch.object(packed_attention, "KERNEL", kernel):
             return hidden.write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
     finally:
         model.set_attn_implementation("sdpa")
@@ -185,7 +191,7 @@ def main(argv=None):
     ap.add_argument("--preset", choices=list(PRESETS), default="8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kinds", nargs="*",
-                    default=["padded_hf", "before", "packed", "packed_fp8", "packed_sdpa",
+                    default=["padded_hf", "before", "packed", "packed_fp8", "packed_flex",
                              "equal"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--work", type=Path, help="where the packed runs write their shards "
@@ -215,6 +221,12 @@ def main(argv=None):
             "packed_fp8": lambda: (None, packed(model, p, tok, "float8_e4m3fn", "auto",
                                                 Path(tmp))),
             "packed_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "sdpa", Path(tmp))),
+            "packed_flex": lambda: (None, packed(model, p, tok, "bfloat16", "flex_attention",
+                                                 Path(tmp))),
+            "packed_varlen_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
+                                                        Path(tmp), kernel="sdpa")),
+            "packed_flex_nowrite": lambda: (None, packed(model, p, tok, "bfloat16",
+                                                         "flex_attention", Path(tmp), "none")),
             # diagnostics, on request: the extraction without writing, and the earlier writer
             "packed_nowrite": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
                                                     Path(tmp), "none")),

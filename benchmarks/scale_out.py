@@ -5,7 +5,8 @@ and on N processes, the same global work, side by side in one run.
     python benchmarks/scale_out.py --preset toy --nproc 1 2                 # CPU (gloo), seconds
 
 Each case runs under `torchrun --standalone` (NCCL on GPUs, gloo on the CPU), one process per
-GPU, with the stages' own code: `Trainer.step` with DDP over the same global batch (each
+GPU, with the stages' own code: `Trainer.step` with DDP (or FSDP2: `--parallel fsdp`) over
+the same global batch (each
 process takes rows[rank::world]; preset `8b`: 8 rows of 2048 tokens a step, the training
 benchmark's 8B-shaped drafter, 7 TTT steps), and `hidden.write_hidden` with each process
 writing every world-size-th shard (the extraction benchmark's 8B-shaped target and length mix,
@@ -38,13 +39,13 @@ PRESETS = {
 }
 
 
-def train_case(p, w, device) -> dict:
+def train_case(p, w, device, parallel: str) -> dict:
     from draftsmith.config import TrainConfig
     from draftsmith.dist import split
     from draftsmith.train.loop import Runtime, TargetHead, Trainer
 
     cfg = TrainConfig(ttt_steps=p["steps"], seq_len=p["T"], batch_size=p["rows"],
-                      device=device.type)
+                      device=device.type, parallel=parallel)
     rows = split(list(range(p["rows"])), w)  # this process's share of the global batch
     batch = train_ttt.make_batch(p, p["T"], len(rows), device)
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
@@ -52,8 +53,13 @@ def train_case(p, w, device) -> dict:
                       TargetHead(None, None, head, None), w=w)
     for _ in range(2):  # warm-up: compile, autotune, NCCL buckets
         trainer.step(batch, 1e-5)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     seconds = _timed(lambda: [trainer.step(batch, 1e-5) for _ in range(p["iters"])], w, device)
-    return {"tokens": p["rows"] * p["T"] * p["iters"], "seconds": seconds}
+    out = {"tokens": p["rows"] * p["T"] * p["iters"], "seconds": seconds, "parallel": parallel}
+    if device.type == "cuda":  # per process: what FSDP2's sharding saves
+        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    return out
 
 
 def hidden_case(p, w, device, work: Path) -> dict:
@@ -98,7 +104,7 @@ def worker(args) -> None:
     p = PRESETS[args.preset]
     out = {"processes": w.size}
     for case in args.cases:
-        r = (train_case(p["train"], w, device) if case == "train"
+        r = (train_case(p["train"], w, device, args.parallel) if case == "train"
              else hidden_case(p["hidden"], w, device, Path(args.shared)))
         r["tokens_per_s"] = round(r["tokens"] / r["seconds"], 1)
         out[case] = r
@@ -114,6 +120,8 @@ def main(argv=None):
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--cases", nargs="+", default=["train", "hidden"],
                     choices=["train", "hidden"])
+    ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                    help="train case with several processes: DDP or FSDP2 (train.parallel)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--work", type=Path, help="where extraction writes its shards (default: a "
                     "temp dir; /dev/shm keeps the disk out of the figure)")
@@ -126,7 +134,8 @@ def main(argv=None):
         with tempfile.TemporaryDirectory(dir=args.work) as shared:
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc-per-node={n}", __file__, "--preset", args.preset,
-                            "--device", args.device, "--cases", *args.cases, "--shared", shared],
+                            "--device", args.device, "--cases", *args.cases, "--shared", shared,
+                            "--parallel", args.parallel],
                            check=True)
             r = json.loads(Path(shared, "result.json").read_text())
         results.append(r)
@@ -137,7 +146,7 @@ def main(argv=None):
             if one:
                 r[case]["speedup"] = round(r[case]["tokens_per_s"] / one[case]["tokens_per_s"], 2)
     device = torch.device(args.device)
-    out = {**train_ttt.run_info(device, None), "preset": args.preset,
+    out = {**train_ttt.run_info(device, None), "preset": args.preset, "parallel": args.parallel,
            "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
            "results": results}
     print(f"\n{'processes':>9} " + " ".join(f"{c + ' tok/s':>14} {'x':>5}" for c in args.cases))

@@ -42,7 +42,7 @@ def _stage(stage: str, params: Path, **paths) -> subprocess.Popen:
 
 def _ok(proc: subprocess.Popen) -> None:
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, err[:3000] + "\n...\n" + err[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,9 @@ def inputs(toy_target, tokenized, one_process, tmp_path_factory) -> dict:
     return dict(target=toy_target, tokenized=tokenized, hidden=one_process, vocab=d / "vocab")
 
 
-def _train(tmp: Path, inputs: dict, nproc: int) -> subprocess.Popen:
-    return _stage("train", _params(tmp, f"train{nproc}", nproc, train=TRAIN), **inputs,
+def _train(tmp: Path, inputs: dict, nproc: int, parallel: str = "ddp") -> subprocess.Popen:
+    return _stage("train", _params(tmp, f"train{nproc}", nproc,
+                                   train=dict(TRAIN, parallel=parallel)), **inputs,
                   out=tmp / "drafter", checkpoints=tmp / "ckpt", curve=tmp / "curve.csv",
                   plot=tmp / "curve.png", metrics=tmp / "m.json")
 
@@ -158,10 +159,13 @@ def trained_one(inputs, tmp_path_factory) -> Path:
     return tmp
 
 
-def test_training_on_two_processes_follows_the_one_process_curve(inputs, trained_one, tmp_path):
-    """The same global batch split over two processes: the same loss and accuracy at every
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_training_on_two_processes_follows_the_one_process_curve(inputs, trained_one, tmp_path,
+                                                                 parallel):
+    """The same global batch split over two processes, the drafter replicated (DDP) or its
+    weights, gradients and AdamW state sharded (FSDP2): the same loss and accuracy at every
     step (fp32 sums in another order: 1e-4), and the same drafter."""
-    _ok(_train(tmp_path, inputs, 2))
+    _ok(_train(tmp_path, inputs, 2, parallel))
     one, two = _curve(trained_one / "curve.csv"), _curve(tmp_path / "curve.csv")
     assert sorted(one) == sorted(two) == list(range(TRAIN["steps"]))
     for step in one:
@@ -177,9 +181,10 @@ def test_training_on_two_processes_follows_the_one_process_curve(inputs, trained
 
 
 def test_checkpoint_of_two_processes_resumes_on_one(inputs, trained_one, tmp_path, fault_row):
-    """Killed after a checkpoint written by a two-process run, resumed by one process: the
-    same drafter as one uninterrupted process's."""
-    proc = _train(tmp_path, inputs, 2)
+    """Killed after a checkpoint written by a two-process FSDP2 run (each process holding half
+    the weights and optimizer state), resumed by one process: the same drafter as one
+    uninterrupted process's."""
+    proc = _train(tmp_path, inputs, 2, "fsdp")
     deadline = time.time() + 300
     while not (tmp_path / "ckpt" / "state.json").exists():
         assert proc.poll() is None and time.time() < deadline, "no checkpoint before the end"
@@ -197,7 +202,7 @@ def test_checkpoint_of_two_processes_resumes_on_one(inputs, trained_one, tmp_pat
     b = load_file(tmp_path / "drafter" / DRAFTER_WEIGHTS)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
-    fault_row("train stage SIGKILLed mid-run (two processes)", "no drafter written, no process "
+    fault_row("train stage SIGKILLed mid-run (two processes, FSDP2)", "no drafter written, no process "
               f"left; resumed from step {m['resumed_from_step']} by one process, ending with "
               "the uninterrupted run's drafter")
 
@@ -221,17 +226,20 @@ def test_online_training_on_two_processes_follows_one(inputs, tmp_path):
         assert curves[2][step] == pytest.approx(curves[1][step], rel=1e-4, abs=1e-4), step
 
 
-def test_scale_out_benchmark_runs_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("parallel, cases", [("ddp", ["train", "hidden"]), ("fsdp", ["train"])])
+def test_scale_out_benchmark_runs_on_the_cpu(tmp_path, parallel, cases):
     """benchmarks/scale_out.py keeps working between multi-GPU runs: toy preset, gloo."""
     out = tmp_path / "r.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale_out.py"), "--preset",
-                    "toy", "--device", "cpu", "--nproc", "1", "2", "--json", str(out)],
+                    "toy", "--device", "cpu", "--nproc", "1", "2", "--parallel", parallel,
+                    "--cases", *cases, "--json", str(out)],
                    check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     results = json.loads(out.read_text())["results"]
     assert [r["processes"] for r in results] == [1, 2]
-    for case in ("train", "hidden"):
+    for case in cases:
         assert all(r[case]["tokens_per_s"] > 0 for r in results)
         assert results[0][case]["speedup"] == 1.0 and results[1][case]["speedup"] > 0
+    assert results[1]["train"]["parallel"] == parallel
 
 
 def test_multi_node_command_line():

@@ -54,7 +54,16 @@ def test_aux_states_enter_layer_k_before_any_norm(model):
     assert not torch.allclose(dec.norm(ref.hidden_states[5]), ref.hidden_states[5])
 
 
-def test_stage_files_hold_the_captured_tensors(model, tmp_path):
+@pytest.fixture(params=["sdpa", "varlen"])
+def attention(model, request):
+    """The model set to each attention the stage packs with: SDPA over padded rows, and the
+    packed varlen attention (one flat row; per-sample SDPA on a CPU)."""
+    hidden.set_attention(model, request.param)
+    yield request.param
+    model.set_attn_implementation("sdpa")
+
+
+def test_stage_files_hold_the_captured_tensors(model, attention, tmp_path):
     from safetensors.torch import save_file
 
     from draftsmith.atomic import write_json
@@ -76,6 +85,7 @@ def test_stage_files_hold_the_captured_tensors(model, tmp_path):
     assert m["tokens"] == 17 and m["shards"] == 2  # no padding stored
     assert m["bytes_per_token"] == 4 * 64 * 4
     got = {sid: (a, f, i) for sid, a, f, i, _ in hidden.iter_hidden(tmp_path / "h")}
+    model.set_attn_implementation("sdpa")  # the reference: each sample alone
     for sid, seq in zip("abc", seqs):
         aux, final = hidden.capture(model, seq[None], torch.ones(1, len(seq), dtype=torch.long),
                                     [2, 4, 5])
@@ -83,6 +93,22 @@ def test_stage_files_hold_the_captured_tensors(model, tmp_path):
         # Packing beside other samples must not change a sample's states (beyond float noise).
         assert torch.allclose(got[sid][0], aux[0], atol=1e-5)
         assert torch.allclose(got[sid][1], final[0], atol=1e-5)
+
+
+def test_packed_rows_in_varlen_equal_the_masked_rows(model):
+    """Online mode's rows (samples end to end, padding at the end, pos restarting per sample)
+    through the varlen attention equal the same rows through SDPA's block-diagonal mask."""
+    ids = torch.randint(1, 97, (2, 16))
+    pos = torch.tensor([[*range(9), *range(5), 0, 1], [*range(16)]])
+    want = hidden.capture_rows(model, ids, pos, [2, 4, 5])
+    hidden.set_attention(model, "varlen")
+    try:
+        got = hidden.capture_rows(model, ids, pos, [2, 4, 5])
+    finally:
+        model.set_attn_implementation("sdpa")
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_resume_reuses_finished_shards(model, tmp_path):

@@ -255,6 +255,32 @@ def test_bf16_working_copy_carries_autocast_gradients_to_fp32_master_weights(dev
         assert torch.equal(w, p.to(torch.bfloat16))  # ... and the copy with it
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipping, and a norm under the limit
+def test_clipping_inside_the_optimizer_equals_clip_then_step(device, max_norm):
+    """On a GPU the fused AdamW applies the clip factor as its grad_scale; the weights must be
+    those of clip_grad_norm_ followed by the step (on the CPU it is that, literally)."""
+    from draftsmith.train.precision import clip_in_optimizer
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in [(37, 5), (11,), (3, 3)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = device == "cuda"
+    opts = [torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+            for ps in (params, twins)]
+    for step in range(3):
+        grads = [torch.randn_like(p) * (step + 1) for p in params]
+        for ps in (params, twins):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+        clip_in_optimizer(opts[0], params, max_norm)
+        torch.nn.utils.clip_grad_norm_(twins, max_norm)
+        opts[1].step()
+        assert not hasattr(opts[0], "grad_scale")  # never left behind for the next step
+        for p, t in zip(params, twins):
+            torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
 def test_runtime_refuses_impossible_devices_before_any_work(monkeypatch):
     from draftsmith.config import TrainConfig
     from draftsmith.errors import DraftsmithError

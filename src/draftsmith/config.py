@@ -166,7 +166,7 @@ class HiddenConfig(_Section):
     row_tokens: int = Field(2048, ge=8)
     batch_rows: int = Field(8, ge=1)
     shard_mb: float = Field(1024, gt=0)
-    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
+    attention: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = "auto"
     device_map: Literal["auto"] | None = None
 
 
@@ -191,6 +191,7 @@ class TrainConfig(_Section):
     intermediate_size: int | None = Field(None, ge=1)
     save_every: int = Field(200, ge=0)
     log_every: int = Field(10, ge=1)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
 
     @model_validator(mode="after")
     def _init_exists(self):

@@ -38,6 +38,7 @@ from draftsmith.artifacts import (HIDDEN_MANIFEST, TOKENIZED_MANIFEST, iter_samp
                                   read_hidden_manifest)
 from draftsmith.atomic import file_sha256, write_json
 from draftsmith.config import HiddenConfig, check_aux_layers
+from draftsmith import packed_attention
 from draftsmith.errors import DraftsmithError
 from draftsmith.packing import first_fit
 
@@ -85,7 +86,31 @@ def capture(model, input_ids, attention_mask, aux_layers: list[int], **decoder_k
 def capture_rows(model, ids, pos, aux_layers: list[int]):
     """Packed rows: ids and pos (B, T), pos restarting at 0 for each sample (and for the
     padding at a row's end). -> aux, final as `capture`, each token seeing its own sample only."""
-    return capture(model, ids, None, aux_layers, position_ids=pos)
+    if not is_varlen(model):
+        return capture(model, ids, None, aux_layers, position_ids=pos)
+    B, T = ids.shape
+    starts = (pos.reshape(-1) == 0).nonzero()[:, 0].tolist()  # where samples start: one sync
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], B * T])]
+    with packed_attention.documents(lengths, ids.device):
+        aux, final = capture(model, ids.reshape(1, -1), None, aux_layers,
+                             position_ids=pos.reshape(1, -1))
+    return aux.view(B, T, -1), final.view(B, T, -1)
+
+
+def capture_flat(model, seqs: list[torch.Tensor], aux_layers: list[int]):
+    """Samples end to end in one row, no padding (a model set to packed_attention.NAME).
+    -> aux (n, L*H), final (n, H) for their n tokens, in order."""
+    device = model.device
+    lengths = [len(s) for s in seqs]
+    ids = torch.cat(seqs)[None].to(device, non_blocking=True)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(device, non_blocking=True)
+    with packed_attention.documents(lengths, device):
+        aux, final = capture(model, ids, None, aux_layers, position_ids=pos)
+    return aux[0], final[0]
+
+
+def is_varlen(model) -> bool:
+    return model.config._attn_implementation == packed_attention.NAME
 
 
 # ----------------------------------------------------------------------------- planning
@@ -172,6 +197,11 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
     at = 0
     for b in range(0, len(rows), cfg.batch_rows):
         batch = rows[b:b + cfg.batch_rows]
+        if is_varlen(model):  # the rows' samples as one flat row: nothing padded
+            aux, fin = capture_flat(model, [samples[i][1] for row in batch for i in row], layers)
+            host.put(at, aux, fin)
+            at += len(aux)
+            continue
         width = max(cfg.row_tokens, *(sum(lengths[i] for i in row) for row in batch))
         ids = torch.full((len(batch), width), pad_id)
         pos = torch.zeros((len(batch), width), dtype=torch.long)
@@ -255,9 +285,17 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path)
 
 
 def set_attention(model, attention: str) -> None:
-    """auto: flex attention on a GPU (masked blocks skipped), SDPA elsewhere."""
+    """auto: on a GPU the packed varlen attention (packed_attention: one flat row, flash
+    attention per sample) for a bf16/fp16 target, flex attention (masked blocks skipped) for
+    an fp32 one; SDPA on a CPU."""
     if attention == "auto":
-        attention = "flex_attention" if model.device.type == "cuda" else "sdpa"
+        if model.device.type != "cuda":
+            attention = "sdpa"
+        else:
+            attention = "varlen" if packed_attention.varlen_available(model.device, model.dtype) \
+                else "flex_attention"
+    if attention == "varlen":
+        attention = packed_attention.register()
     model.set_attn_implementation(attention)
 
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED, drafter_state, load_drafter_weights, save_drafter
+from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED, load_drafter_weights, save_drafter
 from draftsmith.atomic import atomic_path, check_digest, file_sha256, write_json
 from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
@@ -33,7 +33,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
                                    schedule)
 from draftsmith.train.loss import target_view, ttt_loss
-from draftsmith.train.precision import WorkingCopy
+from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
 from draftsmith.vocab import draft_ids_from_d2t
 
 
@@ -115,9 +115,9 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 
 
 class _WholeLoss(torch.nn.Module):
-    """DistributedDataParallel reduces the gradients of what its module's forward computes, so
-    this module's forward is a step's whole TTT loss (which calls the drafter's methods, not
-    its forward)."""
+    """DistributedDataParallel reduces the gradients of what its module's forward computes, and
+    FSDP2 gathers its weights around that forward, so this module's forward is a step's whole
+    TTT loss (which calls the drafter's methods, not its forward)."""
 
     def __init__(self, compute: Eagle3Drafter, loss_fn):
         super().__init__()
@@ -125,6 +125,36 @@ class _WholeLoss(torch.nn.Module):
 
     def forward(self, batch, view, attend):
         return self.loss_fn(self.compute, batch, view, attend=attend)
+
+
+PREFIX = "compute."  # the drafter's names inside _WholeLoss
+
+
+def _ddp(whole: _WholeLoss, rt: Runtime):
+    from torch.nn.parallel import DistributedDataParallel
+
+    # The frozen embedding and the constant vocab maps are sent once, at construction: only
+    # gradients cross the wire on each step.
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                      inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})  # torch < 2.13
+    return DistributedDataParallel(whole, **no_buffer_sync,
+                                   device_ids=[rt.device.index] if rt.device.type == "cuda"
+                                   else None)
+
+
+def _fully_shard(whole: _WholeLoss, rt: Runtime, w: World):
+    """FSDP2 over all processes: each holds 1/world of the fp32 weights, gradients and AdamW
+    state; a step gathers the weights in the compute dtype and reduce-scatters fp32 gradients.
+    The frozen embedding (already in the compute dtype) is a group of its own, since a group
+    holds one dtype; sharded too, so no process keeps the whole table."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(rt.device.type, (w.size,))
+    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
+    fully_shard(whole.compute.embed_tokens, mesh=mesh, mp_policy=mp)
+    return fully_shard(whole, mesh=mesh, mp_policy=mp)
 
 
 class Trainer:
@@ -135,22 +165,20 @@ class Trainer:
                  target=None, w: World = World()):
         """target: online mode's whole target model (on rt.device), run on every batch for
         its states; None when they are stored. w: a torchrun world of more than one process
-        makes each step data parallel (DDP over the working copy)."""
+        makes each step data parallel (DDP over the working copy, or FSDP2 over the fp32
+        weights with train.parallel: fsdp)."""
         self.cfg, self.rt, self.target, self.world = cfg, rt, target, w
+        self.fsdp = w.size > 1 and cfg.parallel == "fsdp"
         self.model = model.to(rt.device)
         # The frozen embedding is only looked up: keep it in the compute dtype (1 GB, not 2,
         # for a 128K x 4096 table). It is never saved with the drafter.
         self.model.embed_tokens.to(rt.dtype)
-        self.working = WorkingCopy(self.model, rt.dtype)
+        # FSDP2 casts to the compute dtype itself at each all-gather: no working copy then.
+        self.working = WorkingCopy(self.model, torch.float32 if self.fsdp else rt.dtype)
         self.compute = self.working.compute
         self.head = head.lm_head.to(rt.device, rt.dtype)  # (V, Ht): the target's argmax
         self.draft_ids = draft_ids_from_d2t(model.d2t).to(rt.device)
         self.weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
-        # One fused kernel for all of AdamW's updates on the GPU (the foreach path launches a
-        # dozen per step).
-        self.opt = torch.optim.AdamW(self.model.trainable_parameters(), lr=cfg.lr,
-                                     betas=(0.9, 0.95), weight_decay=0.0,
-                                     fused=rt.device.type == "cuda")
         self.attend = None
         if rt.attention == "flex":
             from draftsmith.ttt_flex import compiled_ttt_attention_flex, ttt_attention_flex
@@ -160,23 +188,71 @@ class Trainer:
             self.compute.step_qkv = torch.compile(self.compute.step_qkv, dynamic=False)
             self.compute.midlayer.finish = torch.compile(self.compute.midlayer.finish,
                                                          dynamic=False)
-        self.ddp = None
+            self.compute.norm.forward = torch.compile(self.compute.norm.forward, dynamic=False)
+        self.parallel = None  # the whole loss under DDP or FSDP2, with several processes
         if w.size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
             # Each process divides by the global batch's counts over the world size, so the
-            # gradients DDP averages are exactly the global batch's.
+            # gradients DDP or FSDP average are exactly the global batch's.
             loss_fn = functools.partial(
                 ttt_loss, steps=cfg.ttt_steps, weights=self.weights, kind=cfg.loss,
                 dtype=rt.dtype, per_step_count=lambda n: w.sum_(n.clone()).clamp_min(1) / w.size)
-            # The frozen embedding and the constant vocab maps are sent once, at construction:
-            # only gradients cross the wire on each step.
-            no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
-                              inspect.signature(DistributedDataParallel).parameters
-                              else {"broadcast_buffers": False})  # torch < 2.13
-            self.ddp = DistributedDataParallel(
-                _WholeLoss(self.compute, loss_fn), **no_buffer_sync,
-                device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+            whole = _WholeLoss(self.compute, loss_fn)
+            self.parallel = _fully_shard(whole, rt, w) if self.fsdp else _ddp(whole, rt)
+        # After FSDP2 has turned the weights into shards. One fused kernel for all of AdamW's
+        # updates on the GPU (the foreach path launches a dozen per step).
+        self.opt = torch.optim.AdamW(self.model.trainable_parameters(), lr=cfg.lr,
+                                     betas=(0.9, 0.95), weight_decay=0.0,
+                                     fused=rt.device.type == "cuda")
+
+    def state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """-> (the drafter's tensors as saved, AdamW's state keyed by parameter name), whole
+        and on the CPU: the same for any world size and either parallel mode, so a checkpoint
+        resumes on any number of processes. Under FSDP2 every process must call it (it
+        gathers the shards); only the main process gets the tensors."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        module = self.parallel if self.fsdp else self.model
+        weights = get_model_state_dict(module, options=whole)
+        optim = get_optimizer_state_dict(module, self.opt, options=whole) if optimizer else None
+        if self.fsdp:
+            weights, optim = _renamed(weights, optim, lambda k: k.removeprefix(PREFIX))
+        return {k: v.contiguous() for k, v in weights.items() if k != SHARED}, optim
+
+    def load_state(self, weights: dict, optim: dict) -> None:
+        """The inverse of `state` (every process calls it with the whole state)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        module = self.parallel if self.fsdp else self.model
+        if self.fsdp:
+            weights, optim = _renamed(weights, optim, lambda k: PREFIX + k)
+        whole = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(module, weights, options=whole)  # all but the shared embedding
+        set_optimizer_state_dict(module, self.opt, optim, options=whole)
+        self.working.weights_from_master()
+
+    def saved_drafter(self) -> Eagle3Drafter:
+        """The trained drafter whole, for save_drafter (under FSDP2 gathered from every
+        process: all call it, the main process's copy is the one to save)."""
+        if not self.fsdp:
+            return self.model
+        weights, _ = self.state(optimizer=False)
+        model = Eagle3Drafter(self.model.config)
+        model.load_state_dict(weights, strict=False)
+        return model
+
+    def full(self, rows: list) -> list:
+        """A step's rows, padded with empty ones to batch_size when the step is compiled:
+        every batch then has the training shape, so the last step of an epoch and the
+        evaluation batches reuse the compiled graphs instead of recompiling (an empty row
+        counts for nothing)."""
+        if not self.rt.compile:
+            return rows
+        return rows + [[]] * (self.cfg.batch_size - len(rows))
 
     @torch.no_grad()
     def with_target_states(self, batch):
@@ -199,8 +275,9 @@ class Trainer:
             attend = lambda q, k0, v0, ks, vs: self.attend(q, k0, v0, ks, vs, mask)  # noqa: E731
         with self.rt.autocast():
             view = target_view(batch, self.head, self.draft_ids, self.model.t2d)
-            if training and self.ddp is not None:
-                return self.ddp(batch, view, attend)
+            # FSDP2 gathers the weights in its root's forward: evaluation goes through it too.
+            if self.parallel is not None and (training or self.fsdp):
+                return self.parallel(batch, view, attend)
             return ttt_loss(self.compute, batch, view, self.cfg.ttt_steps, self.weights,
                             self.cfg.loss, attend=attend, dtype=self.rt.dtype)
 
@@ -212,8 +289,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.working.grads_to_master()
-        torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip)
-        self.opt.step()
+        clip_in_optimizer(self.opt, self.model.trainable_parameters(), self.cfg.grad_clip)
         self.working.weights_from_master()
         return loss, stats
 
@@ -223,10 +299,11 @@ class Trainer:
         parallel: each process takes its share of the rows, and the sums are added up)."""
         self.compute.eval()
         total = torch.zeros(self.cfg.ttt_steps, 3, device=self.rt.device)
-        steps = [split(rows, self.world)
+        steps = [split(self.full(rows), self.world)
                  for rows in eval_steps(store, members, self.cfg.seq_len, self.cfg.batch_size)]
-        for batch in loader(store, [s for s in steps if any(s)], self.cfg.seq_len,
-                            device=self.rt.device, workers=0):
+        if not self.fsdp:  # (FSDP2: every process takes part in every forward)
+            steps = [s for s in steps if any(s)]
+        for batch in loader(store, steps, self.cfg.seq_len, device=self.rt.device, workers=0):
             _, stats = self.loss(batch.to(self.rt.device, non_blocking=True))
             total[:, 0] += stats[:, 0] * stats[:, 2]  # mean loss -> summed over positions
             total[:, 1:] += stats[:, 1:]
@@ -242,7 +319,9 @@ class Trainer:
 
 
 def _resume_key(cfg: TrainConfig, store: HiddenStore, vocab_dir: Path) -> str:
-    h = hashlib.sha256(cfg.model_dump_json().encode())
+    # How the steps are spread over processes does not change them: a checkpoint of an
+    # FSDP2 run resumes under DDP or on one process, and the other way round.
+    h = hashlib.sha256(cfg.model_dump_json(exclude={"parallel"}).encode())
     h.update((store.dir / "manifest.json").read_bytes())  # the states', or online the tokens'
     h.update(json.dumps(store.aux_layers).encode())
     h.update((Path(vocab_dir) / "vocab.safetensors").read_bytes())
@@ -252,18 +331,27 @@ def _resume_key(cfg: TrainConfig, store: HiddenStore, vocab_dir: Path) -> str:
 CHECKPOINT_FILES = (DRAFTER_WEIGHTS, "optimizer.pt")
 
 
-def _save_checkpoint(ckpt_dir: Path, model, opt, step: int, key: str, curve: list) -> None:
+def _renamed(weights: dict, optim: dict | None, rename) -> tuple[dict, dict | None]:
+    if not optim:  # not asked for, or not the main process (it gets the gathered state)
+        return {rename(k): v for k, v in weights.items()}, optim
+    groups = [{**g, "params": [rename(k) for k in g["params"]]} for g in optim["param_groups"]]
+    return ({rename(k): v for k, v in weights.items()},
+            {"state": {rename(k): v for k, v in optim["state"].items()}, "param_groups": groups})
+
+
+def _save_checkpoint(ckpt_dir: Path, weights: dict, optim: dict, step: int, key: str,
+                     curve: list) -> None:
     with atomic_path(ckpt_dir) as tmp:
         tmp.mkdir()
-        save_file(drafter_state(model), tmp / DRAFTER_WEIGHTS)
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        save_file(weights, tmp / DRAFTER_WEIGHTS)
+        torch.save(optim, tmp / "optimizer.pt")
         digests = {f: {"bytes": (tmp / f).stat().st_size, "sha256": file_sha256(tmp / f)}
                    for f in CHECKPOINT_FILES}
         write_json(tmp / "state.json", {"step": step, "key": key, "curve": curve,
                                         "files": digests})
 
 
-def _load_checkpoint(ckpt_dir: Path, model, opt, key: str):
+def _load_checkpoint(ckpt_dir: Path, trainer: Trainer, key: str):
     state_file = ckpt_dir / "state.json"
     if not state_file.exists():
         return 0, []
@@ -273,10 +361,10 @@ def _load_checkpoint(ckpt_dir: Path, model, opt, key: str):
     for f, digest in state.get("files", {}).items():  # before reading any of it
         check_digest(ckpt_dir / f, digest, f"delete {ckpt_dir} to train from step 0 (the "
                      f"checkpoint of step {state['step']} cannot be resumed)")
-    missing, _ = model.load_state_dict(load_file(ckpt_dir / DRAFTER_WEIGHTS), strict=False)
-    assert missing == [SHARED], missing
-    opt.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True,
-                                   map_location=next(model.parameters()).device))
+    weights = load_file(ckpt_dir / DRAFTER_WEIGHTS)
+    missing = set(trainer.model.state_dict()) - set(weights)
+    assert missing == {SHARED}, missing
+    trainer.load_state(weights, torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
     return state["step"], state["curve"]
 
 
@@ -308,10 +396,9 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
     model = trainer.model
     initial = trainer.evaluate(store, eval_ids)
 
-    opt = trainer.opt
     key = _resume_key(cfg, store, vocab_dir)
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-    start, curve = _load_checkpoint(Path(ckpt_dir), model, opt, key)
+    start, curve = _load_checkpoint(Path(ckpt_dir), trainer, key)
     trainer.working.weights_from_master()
     plan: list = []
     epoch = 0
@@ -319,8 +406,8 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         plan += schedule(store, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, epoch)
         epoch += 1
     # The same global steps whatever the world size; each process takes its share of the rows.
-    batches = loader(store, [split(rows, w) for rows in plan[start:cfg.steps]], cfg.seq_len,
-                     device=rt.device, workers=cfg.num_workers)
+    batches = loader(store, [split(trainer.full(rows), w) for rows in plan[start:cfg.steps]],
+                     cfg.seq_len, device=rt.device, workers=cfg.num_workers)
     tokens = torch.zeros((), dtype=torch.long, device=rt.device)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
@@ -340,17 +427,19 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
             curve.append(row)
             bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
         bar.update(1)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps
-                and w.main):  # every process holds the same weights and optimizer state
-            _save_checkpoint(Path(ckpt_dir), model, opt, step + 1, key, curve)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            weights, optim = trainer.state()  # (FSDP2: gathered from every process)
+            if w.main:
+                _save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
     bar.close()
     seconds = time.time() - t0  # float(loss) above synchronised at the last step
     trained_tokens = int(w.sum_(tokens))
     final = trainer.evaluate(store, eval_ids)
+    drafter = trainer.saved_drafter()
     if not w.main:
         return {}
 
-    save_drafter(model, out_dir)
+    save_drafter(drafter, out_dir)
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # done: nothing left to resume
     if curve_file:
         _write_curve(curve_file, curve)

@@ -39,8 +39,11 @@ def target_view(batch: Batch, head: torch.Tensor, draft_ids: torch.Tensor, t2d: 
     """head: the target's lm_head (V, Ht) in the compute dtype."""
     B, T, Ht = batch.final.shape
     final = batch.final.reshape(B * T, Ht).to(head.dtype)
-    acc = torch.promote_types(head.dtype, torch.float32)  # fp32, or fp64 in exact tests
-    logits = torch.empty(B * T, len(draft_ids), dtype=acc, device=final.device)
+    # Kept in the head's dtype: the GEMM rounds to it anyway, so a wider copy adds no
+    # precision, only bytes (the soft-CE kernel reads these once per TTT step).
+    keep = head.dtype if head.dtype in (torch.bfloat16, torch.float32, torch.float64) \
+        else torch.float32
+    logits = torch.empty(B * T, len(draft_ids), dtype=keep, device=final.device)
     top = torch.empty(B * T, dtype=torch.long, device=final.device)
     for a in range(0, B * T, chunk):
         full = final[a:a + chunk] @ head.T  # (rows, V): only a chunk of it ever exists
@@ -179,7 +182,9 @@ def ttt_loss(model, batch: Batch, view: TargetView, steps: int, weights: list[fl
         n = counts[j]
         # step weight folded in
         scale = counted[j].to(acc) * weights[j] / divide_by[j].to(acc)
-        loss, _, agree = LinearSoftCE.apply(model.norm(h[:, :L]), model.lm_head.weight,
+        # The norm over the whole row, then the slice: one shape for every step, so a compiled
+        # norm (the train stage on a GPU) compiles once.
+        loss, _, agree = LinearSoftCE.apply(model.norm(h)[:, :L], model.lm_head.weight,
                                             view.logits[:, 1 + j:], scale, dtype,
                                             kind == "kl", chunk, shared)
         total = total + loss  # weight one: see SharedGrad

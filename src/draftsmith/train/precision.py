@@ -47,3 +47,23 @@ class WorkingCopy:
     def weights_from_master(self) -> None:
         if self.active:
             torch._foreach_copy_([w for _, w in self._pairs], [m for m, _ in self._pairs])
+
+
+def clip_in_optimizer(opt: torch.optim.Optimizer, params, max_norm: float) -> None:
+    """Gradient clipping to `max_norm`, then `opt.step()`. A fused AdamW (CUDA) applies the
+    clip factor inside its own kernel, as its `grad_scale`: no extra pass over the gradients
+    (1.7 GB of fp32 read and written a step at the 8B shape). Other optimizers: clip, then step."""
+    params = [p for p in params if p.grad is not None]
+    fused = (all(g.get("fused") for g in opt.param_groups) and params and params[0].is_cuda
+             and type(params[0].grad) is torch.Tensor)  # FSDP2's sharded DTensors: plain clip
+    if not fused:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        return
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)  # as clip_grad_norm_
+    opt.grad_scale = 1.0 / coef  # the kernel divides each gradient by it
+    try:
+        opt.step()
+    finally:
+        del opt.grad_scale

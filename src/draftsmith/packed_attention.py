@@ -1,0 +1,154 @@
+"""Attention for packed extraction: many samples end to end in one flat row, no padding, each
+sample attending causally within itself only.
+
+Registered with transformers as the attention implementation `draftsmith_varlen` (and a mask
+function that builds no mask), so any decoder-only architecture whose attention goes through
+transformers' attention interface runs packed: the hidden stage sets it on the target and calls
+the model inside `documents(lengths)`, which says where each sample starts.
+
+The kernel, by device:
+- CUDA: torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`): one
+  call per layer for the whole row, fully masked blocks never computed, nothing padded.
+- elsewhere (and on request, `KERNEL = "sdpa"`): scaled_dot_product_attention once per sample,
+  the reference the tests hold the CUDA path to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.errors import DraftsmithError
+
+NAME = "draftsmith_varlen"
+KERNEL = "auto"  # auto (varlen on CUDA, SDPA per sample elsewhere) | varlen | sdpa
+
+
+@dataclass(frozen=True)
+class _Documents:
+    lengths: tuple[int, ...]
+    cu: torch.Tensor  # (n + 1,) int32 on the device: where each sample starts
+    longest: int
+
+
+_CURRENT: contextvars.ContextVar[_Documents | None] = contextvars.ContextVar(
+    "draftsmith_packed_documents", default=None)
+
+
+@contextlib.contextmanager
+def documents(lengths: list[int], device):
+    """Inside this block, a forward pass of a model set to `NAME` reads its flat row (1, sum
+    of lengths) as these samples, in order."""
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
+    token = _CURRENT.set(_Documents(tuple(lengths), cu, max(lengths)))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def varlen_available(device, dtype) -> bool:
+    """Whether torch's varlen flash kernel runs here: CUDA, half precision (flash attention
+    has no fp32 kernel), a torch that has it."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:  # torch < 2.9
+        return False
+    return True
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+              sliding_window=None, softcap=None, **_):
+    """transformers' attention-interface signature: query (1, Hq, T, D), key/value
+    (1, Hkv, T, D[v]); -> ((1, T, Hq, Dv), None)."""
+    docs = _CURRENT.get()
+    if docs is None:
+        raise RuntimeError(f"attention implementation {NAME!r} called outside "
+                           "packed_attention.documents(...): it does not know where samples start")
+    if query.shape[0] != 1 or query.shape[2] != sum(docs.lengths):
+        raise RuntimeError(f"{NAME}: expected one flat row of {sum(docs.lengths)} tokens, got "
+                           f"query {tuple(query.shape)}")
+    if softcap:
+        raise DraftsmithError(
+            f"{type(module).__name__} caps its attention logits (softcap), which the packed "
+            "varlen attention does not do", "set hidden.attention: flex_attention")
+    kernel = KERNEL
+    if kernel == "auto":
+        kernel = "varlen" if varlen_available(query.device, query.dtype) else "sdpa"
+    run = _varlen if kernel == "varlen" else _sdpa_per_sample
+    out = run(query[0], key[0], value[0], docs, scaling, sliding_window)  # (T, Hq, Dv)
+    return out.unsqueeze(0), None
+
+
+def _varlen(q, k, v, docs: _Documents, scale, window):
+    """q: (Hq, T, D), k/v: (Hkv, T, D[v]) -> (T, Hq, Dv) through torch's varlen flash kernel,
+    whichever of its signatures this torch has (2.9-2.12: is_causal and no GQA; later:
+    window_size, scale and enable_gqa)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    takes = inspect.signature(varlen_attn).parameters
+    hq, d, dv = q.shape[0], q.shape[-1], v.shape[-1]
+    if dv != d:  # MLA: values narrower than queries; flash wants one head size
+        v = F.pad(v, (0, d - dv))
+    kw = {}
+    if "window_size" in takes:
+        kw["window_size"] = (-1 if window is None else window - 1, 0)  # (-1, 0): causal
+    elif window is None:
+        kw["is_causal"] = True
+    else:
+        raise DraftsmithError(
+            f"this torch ({torch.__version__}) has no sliding-window varlen attention",
+            "set hidden.attention: flex_attention, or use torch >= 2.13")
+    if scale is not None and "scale" in takes:
+        kw["scale"] = scale
+    elif scale is not None:
+        q = q * (scale * d ** 0.5)  # the kernel's own scale is 1/sqrt(d)
+    if k.shape[0] != hq:
+        if "enable_gqa" in takes:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(hq // t.shape[0], 0) for t in (k, v))
+    q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # (T, H, D)
+    out = varlen_attn(q, k, v, docs.cu, docs.cu, docs.longest, docs.longest, **kw)
+    return out[..., :dv]
+
+
+def _sdpa_per_sample(q, k, v, docs: _Documents, scale, window):
+    """q: (Hq, T, D), k/v: (Hkv, T, D[v]) -> (T, Hq, Dv), one SDPA call per sample."""
+    out = q.new_empty(q.shape[1], q.shape[0], v.shape[-1])
+    at = 0
+    for n in docs.lengths:
+        s = slice(at, at + n)
+        mask = None
+        if window is not None and n > window:  # sliding window: key within `window` behind
+            i = torch.arange(n, device=q.device)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        o = F.scaled_dot_product_attention(q[:, s], k[:, s], v[:, s], attn_mask=mask,
+                                           is_causal=mask is None, scale=scale,
+                                           enable_gqa=k.shape[0] != q.shape[0])
+        out[s] = o.transpose(0, 1)
+        at += n
+    return out
+
+
+def _no_mask(*args, **kwargs):
+    """The mask function for NAME: the attention itself keeps samples apart."""
+    return None
+
+
+def register() -> str:
+    """Make NAME a transformers attention implementation (idempotent); -> NAME."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, _no_mask)
+    return NAME
