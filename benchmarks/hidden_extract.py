@@ -17,10 +17,15 @@ Aux layers (2, 16, 29) as vLLM's default.
   copies into pinned memory, shards written by threads to a temp dir); packed_flex: the same
   on padded rows of row_tokens with flex attention (the stage before varlen); packed_sdpa:
   rows with SDPA (masked blocks computed, not skipped); packed_varlen_sdpa: the flat row with
-  one SDPA call per sample instead of the varlen kernel.
+  one SDPA call per sample instead of the flash kernel; packed_varlen_api: the flat row
+  through torch's public `varlen_attn` (on torch 2.11: KV heads repeated, made contiguous)
+  instead of aten's flash forward called directly.
 - On request (diagnostics): packed_nowrite and packed_flex_nowrite, without writing shards
   (the extraction alone); packed_save_file, the same with `safetensors.torch.save_file` and a second pass for
   the sha256 (the stage's writer before `safetensors_write`).
+- writes: the stage's shard writer alone, no GPU: shards of the packed run's sizes from pinned
+  memory, `hidden.WRITERS` threads, into --work. The host's ceiling for the stage: its tok/s is
+  the packed run's tokens over the time to write their states.
 - equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies: the ceiling an
   extraction can reach on this model, measured here.
 
@@ -157,15 +162,50 @@ def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage
     out = work / f"h-{dtype}-{attention}-{writer}"
     save = {"stage": hidden._save, "none": lambda t, path: {"bytes": 0, "sha256": ""},
             "save_file": _save_file_then_hash}[writer]
+    copied = []  # when each shard's device-to-host copies had landed
+
+    def write_shard(tensors, ready, path, write=hidden._write_shard):
+        if ready is not None:
+            ready.synchronize()
+        copied.append(time.perf_counter())
+        return write(tensors, None, path)
+
     try:
         cfg = HiddenConfig(dtype=dtype, shard_mb=p.get("shard_mb", 1024),
                            row_tokens=p["row_tokens"], batch_rows=p["batch_rows"],
                            attention=attention)
         with mock.patch.object(hidden, "_save", save), \
+                mock.patch.object(hidden, "_write_shard", write_shard), \
                 mock.patch.object(packed_attention, "KERNEL", kernel):
-            return hidden.write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
+            result = hidden.write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
+        return {**result, "gpu_done_at": max(copied)}
     finally:
         model.set_attn_implementation("sdpa")
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def writes(p, lengths, hidden_size: int, work: Path) -> int:
+    """-> bytes written: the packed run's shards, from pinned memory, by the stage's writer."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from draftsmith import hidden
+
+    per_token = (len(p["layers"]) + 1) * hidden_size * 2
+    plan = hidden.plan_shards(lengths, per_token, int(p.get("shard_mb", 1024) * 2**20))
+    sizes = [sum(lengths[i] for i in s) for s in plan]
+    pin = torch.cuda.is_available()
+    aux = torch.ones(max(sizes), len(p["layers"]) * hidden_size, dtype=torch.bfloat16,
+                     pin_memory=pin)
+    final = torch.ones(max(sizes), hidden_size, dtype=torch.bfloat16, pin_memory=pin)
+    out = work / "writes"
+    out.mkdir(exist_ok=True)
+    try:
+        with ThreadPoolExecutor(hidden.WRITERS) as pool:
+            jobs = [pool.submit(hidden._save, {"aux": aux[:n], "final": final[:n]},
+                                out / f"w-{k:05d}.safetensors") for k, n in enumerate(sizes)]
+            return sum(j.result()["bytes"] for j in jobs)
+    finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
@@ -186,6 +226,53 @@ def equal(model, p, rows=8, T=2048):
     return rows * T, [T] * rows
 
 
+# First match wins: attention first, since flash kernels' template names mention cutlass.
+KERNEL_GROUPS = (("attention", ("flash", "fmha", "attention", "varlen", "sdpa")),
+                 ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                 ("copy", ("memcpy", "memset", "copy")))
+
+
+def time_breakdown(fn, sync, path: Path) -> dict:
+    """One more run of fn under the profiler: its wall time, the time the GPU ran anything
+    (the union of kernel and copy intervals, all streams), and kernel time by group. What the
+    MFU misses is either the GPU idle (wall - busy) or slow kernels (by group)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"]
+              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    trace.unlink()
+    busy = _union([e for e in events])
+    compute = _union([e for e in events if e["cat"] == "kernel"])
+    groups = {g: 0.0 for g, _ in KERNEL_GROUPS} | {"other": 0.0}
+    for e in events:
+        name = e["name"].lower()
+        g = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        groups[g] += e["dur"]
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                              max_name_column_width=70))
+    return {"profiled_wall_s": round(wall, 3), "gpu_busy_s": round(busy / 1e6, 3),
+            "kernels_busy_s": round(compute / 1e6, 3),
+            **{f"{g}_s": round(t / 1e6, 3) for g, t in groups.items()}}
+
+
+def _union(events) -> float:
+    """Microseconds covered by at least one of the events' intervals."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="8b")
@@ -198,12 +285,17 @@ def main(argv=None):
                     "(default: a temp dir; /dev/shm keeps the disk out of the figure)")
     ap.add_argument("--shard-mb", type=float, help="hidden.shard_mb of the packed runs (1024)")
     ap.add_argument("--samples", type=int, help="samples in the length mix (preset's)")
+    ap.add_argument("--row-tokens", type=int, help="hidden.row_tokens of the packed runs")
+    ap.add_argument("--batch-rows", type=int, help="hidden.batch_rows of the packed runs")
+    ap.add_argument("--profile", type=Path, help="also profile each kind once (a GPU): "
+                    "operator tables here, GPU busy time and kernel groups in the results")
     args = ap.parse_args(argv)
     p = dict(PRESETS[args.preset])
     if args.shard_mb:
         p["shard_mb"] = args.shard_mb
-    if args.samples:
-        p["samples"] = args.samples
+    for key in ("samples", "row_tokens", "batch_rows"):
+        if getattr(args, key):
+            p[key] = getattr(args, key)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ceiling = matmul_ceiling(device)
@@ -225,6 +317,10 @@ def main(argv=None):
                                                  Path(tmp))),
             "packed_varlen_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
                                                         Path(tmp), kernel="sdpa")),
+            "packed_varlen_api": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
+                                                       Path(tmp), kernel="varlen")),
+            "writes": lambda: (None, {"bytes": writes(p, lengths, model.config.hidden_size,
+                                                      Path(tmp))}),
             "packed_flex_nowrite": lambda: (None, packed(model, p, tok, "bfloat16",
                                                          "flex_attention", Path(tmp), "none")),
             # diagnostics, on request: the extraction without writing, and the earlier writer
@@ -252,16 +348,31 @@ def main(argv=None):
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 continue
-            seconds = (time.perf_counter() - t0) / p["repeats"]
+            end = time.perf_counter()
+            seconds = (end - t0) / p["repeats"]
             mix = out[1] if kind == "equal" else lengths
             n = out[0] if kind == "equal" else sum(lengths)
             r = {"kind": kind, "status": "ok", "tokens": n, "tokens_per_s": round(n / seconds, 1)}
             if kind.startswith("packed"):
                 r["bytes_per_token"] = out[1]["bytes_per_token"]
-            if ceiling:
+                # the stage's time split: until its last shard's states were in host memory
+                # (extraction, with the earlier shards' writes running beside it), then the
+                # wait for the last writes (drain: a one-off per stage run, whatever its size)
+                drain = end - out[1]["gpu_done_at"]
+                extraction = seconds - drain
+                r["drain_s"] = round(drain, 3)
+                r["extraction_tokens_per_s"] = round(n / extraction, 1)
+                if ceiling:
+                    r["extraction_mfu"] = round(r["extraction_tokens_per_s"]
+                                                * flops_per_token(model, mix) / ceiling, 3)
+            if kind == "writes":
+                r["gb_per_s"] = round(out[1]["bytes"] / seconds / 1e9, 2)
+            elif ceiling:
                 r["mfu"] = round(r["tokens_per_s"] * flops_per_token(model, mix) / ceiling, 3)
             if device.type == "cuda":
                 r["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            if args.profile and device.type == "cuda":
+                r["breakdown"] = time_breakdown(fn, sync, args.profile / f"profile_{kind}.txt")
             results.append(r)
             print(json.dumps(r), flush=True)
     base = next((r["tokens_per_s"] for r in results if r["kind"] == "padded_hf"
@@ -270,6 +381,7 @@ def main(argv=None):
         if base and r["status"] == "ok":
             r["vs_padded_hf"] = round(r["tokens_per_s"] / base, 2)
     out = {**run_info(device, ceiling), "preset": args.preset,
+           "row_tokens": p["row_tokens"], "batch_rows": p["batch_rows"],
            "work_dir": str(args.work or tempfile.gettempdir()), "lengths": lengths,
            "results": results}
     print(f"\n{'kind':>12} {'tok/s':>10} {'mfu':>6} {'x padded':>9}")

@@ -283,7 +283,7 @@ def test_the_extraction_benchmark_runs_at_toy_size(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "hidden_extract.py"
     want = ["padded_hf", "before", "packed", "packed_fp8", "packed_flex", "packed_varlen_sdpa",
-            "equal"]
+            "writes", "equal"]
     subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
                     "--kinds", *want, "--json", str(tmp_path / "r.json")], check=True,
                    capture_output=True, timeout=600)
@@ -292,6 +292,7 @@ def test_the_extraction_benchmark_runs_at_toy_size(tmp_path):
     assert set(kinds) == set(want)
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in kinds.values())
     assert kinds["packed_fp8"]["bytes_per_token"] < 0.6 * kinds["packed"]["bytes_per_token"]
+    assert kinds["writes"]["gb_per_s"] > 0
 
 
 def test_shards_written_from_tensor_memory_are_standard_safetensors(tmp_path):

@@ -1,5 +1,6 @@
 """The packed varlen attention: each sample of a flat row attends causally within itself only,
-through per-sample SDPA (CPU) or torch's variable-length flash attention (CUDA)."""
+through per-sample SDPA (CPU) or torch's variable-length flash attention (CUDA: aten's flash
+forward called directly, or the public varlen_attn)."""
 
 import pytest
 import torch
@@ -62,17 +63,34 @@ def test_softcapped_attention_is_refused_with_the_setting_that_works():
 @cuda
 @pytest.mark.parametrize("lengths", [[2048], [700, 1, 33, 1290, 129], [64] * 40])
 @pytest.mark.parametrize("dv", [128, 64])
-def test_gpu_varlen_kernel_equals_per_sample_sdpa(lengths, dv, monkeypatch):
+@pytest.mark.parametrize("kernel", ["flash", "varlen"])
+def test_gpu_varlen_kernel_equals_per_sample_sdpa(kernel, lengths, dv, monkeypatch):
     q, k, v = inputs(lengths, hq=32, hkv=8, d=128, dv=dv, dtype=torch.bfloat16, device="cuda")
     outs = {}
-    for kernel in ("varlen", "sdpa"):
-        monkeypatch.setattr(pa, "KERNEL", kernel)
+    for name in (kernel, "sdpa"):
+        monkeypatch.setattr(pa, "KERNEL", name)
         with pa.documents(lengths, "cuda"):
-            outs[kernel] = pa.attention(None, q, k, v, None)[0]
+            outs[name] = pa.attention(None, q, k, v, None)[0]
     ref = dense_reference(q, k, v, lengths).float() if sum(lengths) <= 2048 else None
-    torch.testing.assert_close(outs["varlen"], outs["sdpa"], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs[kernel], outs["sdpa"], atol=2e-2, rtol=2e-2)
     if ref is not None:
-        torch.testing.assert_close(outs["varlen"][0].float(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(outs[kernel][0].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@cuda
+def test_gpu_flash_kernel_on_the_model_layout_with_a_window(monkeypatch):
+    """The tensors as a model hands them over ((1, H, T, D) views of (T, H, D) memory, fewer KV
+    heads), a sliding window and a scale, against the dense fp64 reference."""
+    lengths = [700, 33, 1290]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, T, h, 128, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
+               for h in (32, 8, 8))
+    monkeypatch.setattr(pa, "KERNEL", "flash")
+    with pa.documents(lengths, "cuda"):
+        out = pa.attention(None, q, k, v, None, scaling=0.07, sliding_window=256)[0]
+    ref = dense_reference(q, k, v, lengths, 0.07, 256)
+    torch.testing.assert_close(out[0].double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def _fake_varlen(q, k, v, cu, longest, causal, scale=None, window=(-1, -1), gqa=False):
@@ -116,3 +134,32 @@ def test_the_varlen_call_fits_either_torch_signature(fake, dv, monkeypatch):
         out = pa.attention(None, q, k, v, None, scaling=0.3)[0]
     torch.testing.assert_close(out[0].double(), dense_reference(q, k, v, lengths, 0.3),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_the_flash_call_takes_views_and_kv_heads_as_they_are(monkeypatch):
+    """The default CUDA path's argument handling, on the CPU through a stand-in for aten's flash
+    forward that checks what the real one requires: (T, H, D) with a contiguous last dim (any
+    other strides), fewer KV heads than query heads, one head size, int32 offsets."""
+    seen = {}
+
+    def fake_flash(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                   is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                   window_size_right=None):
+        assert all(t.stride(-1) == 1 for t in (query, key, value))
+        assert query.shape[-1] == key.shape[-1] == value.shape[-1], "flash wants one head size"
+        assert cum_seq_q.dtype == torch.int32 and is_causal and dropout_p == 0.0
+        assert window_size_left is None and window_size_right is None
+        seen["copied"] = not all(t._is_view() for t in (query, key))
+        seen["kv_heads"] = key.shape[1]
+        out = _fake_varlen(query, key, value, cum_seq_q, max_q, True, scale, gqa=True)
+        return out, None, None, None, None
+
+    monkeypatch.setattr(pa, "_aten_flash", lambda: fake_flash)
+    monkeypatch.setattr(pa, "KERNEL", "flash")
+    lengths = [5, 1, 9, 4]
+    q, k, v = inputs(lengths, dv=8)  # MLA's narrower values: padded for the call
+    with pa.documents(lengths, "cpu"):
+        out = pa.attention(None, q, k, v, None, scaling=0.3)[0]
+    torch.testing.assert_close(out[0].double(), dense_reference(q, k, v, lengths, 0.3),
+                               atol=1e-5, rtol=1e-5)
+    assert seen == {"copied": False, "kv_heads": 2}

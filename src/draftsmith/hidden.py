@@ -181,14 +181,19 @@ class _HostShard:
                 self.t[k][at:at + n].copy_(v, non_blocking=True)
                 v.record_stream(self.stream)
 
-    def done(self) -> dict:
-        if self.stream is not None:
-            self.stream.synchronize()
-        return self.t
+    def done(self):
+        """-> the tensors and, on CUDA, an event the copies into them complete at: the writer
+        waits on it, so the thread feeding the GPU goes straight on to the next shard."""
+        if self.stream is None:
+            return self.t, None
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        return self.t, ready
 
 
 def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, pad_id: int):
-    """-> the shard's host tensors, its samples in their stored order (_stored_order)."""
+    """-> the shard's host tensors, its samples in their stored order (_stored_order), and the
+    event its device-to-host copies complete at (None on a CPU)."""
     H = model.config.get_text_config().hidden_size
     device = model.device
     lengths = [len(s[1]) for s in samples]
@@ -221,13 +226,20 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
                  fin.reshape(-1, H).index_select(0, sel))
         at += n
     ordered = [samples[i] for row in rows for i in row]  # as _stored_order
-    tensors = host.done()
+    tensors, ready = host.done()
     tensors.update({
         "input_ids": torch.cat([s[1] for s in ordered]).to(torch.int32),
         "loss_mask": torch.cat([s[2] for s in ordered]).to(torch.uint8),
         "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s[1]) for s in ordered]), 0),
     })
-    return tensors
+    return tensors, ready
+
+
+def _write_shard(tensors: dict, ready, path: Path) -> dict:
+    """In a writer thread: wait for the shard's copies to land (`ready`), then save it."""
+    if ready is not None:
+        ready.synchronize()
+    return _save(tensors, path)
 
 
 def _save(tensors: dict, path: Path) -> dict:
@@ -355,8 +367,8 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
                 reused += 1  # written whole by an earlier, interrupted run (write-then-rename)
                 future = writer.submit(_digest, path)
             else:
-                tensors = _extract_shard(model, group, layers, cfg, pad_id)
-                future = writer.submit(_save, tensors, path)
+                future = writer.submit(_write_shard, *_extract_shard(model, group, layers, cfg,
+                                                                     pad_id), path)
             pending.append((s, future))
             if len(pending) > WRITERS:  # at most WRITERS + 1 shards in host memory
                 done, future = pending.pop(0)

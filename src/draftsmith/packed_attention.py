@@ -6,17 +6,23 @@ function that builds no mask), so any decoder-only architecture whose attention 
 transformers' attention interface runs packed: the hidden stage sets it on the target and calls
 the model inside `documents(lengths)`, which says where each sample starts.
 
-The kernel, by device:
-- CUDA: torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`): one
-  call per layer for the whole row, fully masked blocks never computed, nothing padded.
-- elsewhere (and on request, `KERNEL = "sdpa"`): scaled_dot_product_attention once per sample,
-  the reference the tests hold the CUDA path to.
+The kernel, by device (`KERNEL`):
+- CUDA (`flash`): torch's flash attention forward with cumulative sequence offsets
+  (`aten::_flash_attention_forward`, which `varlen_attn` wraps), called directly: one call per
+  layer for the whole row, fully masked blocks never computed, nothing padded, the KV heads of
+  GQA read as they are and q/k/v taken as the strided (T, H, D) views the model hands over.
+  On an H200, 8B shape, torch 2.11: the public `varlen_attn` (`varlen`) has no GQA there, and
+  repeating the heads plus making them contiguous cost 4.8% of the forward's GPU time
+  (benchmarks/results/README.md).
+- elsewhere (and on request, `sdpa`): scaled_dot_product_attention once per sample, the
+  reference the tests hold the CUDA paths to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 
 NAME = "draftsmith_varlen"
-KERNEL = "auto"  # auto (varlen on CUDA, SDPA per sample elsewhere) | varlen | sdpa
+KERNEL = "auto"  # auto (flash on CUDA, SDPA per sample elsewhere) | flash | varlen | sdpa
 
 
 @dataclass(frozen=True)
@@ -54,15 +60,19 @@ def documents(lengths: list[int], device):
 
 
 def varlen_available(device, dtype) -> bool:
-    """Whether torch's varlen flash kernel runs here: CUDA, half precision (flash attention
-    has no fp32 kernel), a torch that has it."""
-    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:  # torch < 2.9
-        return False
-    return True
+    """Whether the flash kernel runs here: CUDA, half precision (flash attention has no fp32
+    kernel), a torch built with it."""
+    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.cuda.is_flash_attention_available())
+
+
+@functools.cache
+def _arguments(op) -> frozenset[str]:
+    """The argument names an op takes (a torch function or an aten op), read once."""
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        return frozenset(a.name for a in schema.arguments)
+    return frozenset(inspect.signature(op).parameters)
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -82,10 +92,35 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             "varlen attention does not do", "set hidden.attention: flex_attention")
     kernel = KERNEL
     if kernel == "auto":
-        kernel = "varlen" if varlen_available(query.device, query.dtype) else "sdpa"
-    run = _varlen if kernel == "varlen" else _sdpa_per_sample
+        kernel = "flash" if varlen_available(query.device, query.dtype) else "sdpa"
+    run = {"flash": _flash, "varlen": _varlen, "sdpa": _sdpa_per_sample}[kernel]
     out = run(query[0], key[0], value[0], docs, scaling, sliding_window)  # (T, Hq, Dv)
     return out.unsqueeze(0), None
+
+
+def _aten_flash():
+    return torch.ops.aten._flash_attention_forward.default
+
+
+def _flash(q, k, v, docs: _Documents, scale, window):
+    """q: (Hq, T, D), k/v: (Hkv, T, D[v]) -> (T, Hq, Dv) through aten's flash attention forward:
+    GQA natively (Hq a multiple of Hkv), any row and head strides (only the last dim must be
+    contiguous), so the model's tensors go in as views, uncopied."""
+    op = _aten_flash()
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:  # MLA: values narrower than queries; flash wants one head size
+        v = F.pad(v, (0, d - dv))
+    kw = {"scale": scale}
+    if window is not None:
+        if "window_size_left" not in _arguments(op):
+            raise DraftsmithError(
+                f"this torch ({torch.__version__}) has no sliding-window flash attention",
+                "set hidden.attention: flex_attention, or upgrade torch")
+        kw.update(window_size_left=window - 1, window_size_right=0)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (T, H, D) views
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = op(q, k, v, docs.cu, docs.cu, docs.longest, docs.longest, 0.0, True, False, **kw)[0]
+    return out[..., :dv]
 
 
 def _varlen(q, k, v, docs: _Documents, scale, window):
@@ -94,7 +129,7 @@ def _varlen(q, k, v, docs: _Documents, scale, window):
     window_size, scale and enable_gqa)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    takes = inspect.signature(varlen_attn).parameters
+    takes = _arguments(varlen_attn)
     hq, d, dv = q.shape[0], q.shape[-1], v.shape[-1]
     if dv != d:  # MLA: values narrower than queries; flash wants one head size
         v = F.pad(v, (0, d - dv))

@@ -427,8 +427,9 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
             curve.append(row)
             bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
         bar.update(1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            weights, optim = trainer.state()  # (FSDP2: gathered from every process)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps \
+                and (w.main or trainer.fsdp):  # FSDP2 gathers from every process; DDP needs one
+            weights, optim = trainer.state()
             if w.main:
                 _save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
     bar.close()
