@@ -274,6 +274,28 @@ def test_online_states_equal_the_stored_ones(model, tmp_path):
     assert torch.allclose(filled.final[real], off.final[real].float(), atol=1e-5)
 
 
+def test_both_modes_train_on_the_same_batches(model, tmp_path):
+    """The training schedule follows the sample ids, not where the hidden stage stored each
+    sample: offline shards (here packed longest first) and online mode give the same steps."""
+    from draftsmith.train.data import eval_steps, open_store, schedule
+
+    tok, _ = _tokenized(tmp_path, [7, 12, 5, 9, 3, 11, 2])
+    hidden.write_hidden(HiddenConfig(row_tokens=16), model, [2, 4, 5], tok, tmp_path / "off",
+                        "rev", 0)
+    hidden.write_online_manifest([2, 4, 5], 64, tmp_path / "on")
+    stores = [open_store(tmp_path / "off", tok), open_store(tmp_path / "on", tok)]
+    assert [s.id for s in stores[0].samples] != [s.id for s in stores[1].samples]
+
+    def steps(store, epoch):
+        train, held = store.split(2)
+        return [[[store.samples[i].id for i in row] for row in step]
+                for step in [*schedule(store, train, 24, 2, 0, epoch),
+                             *eval_steps(store, held, 24, 2)]]
+
+    for epoch in (0, 1):
+        assert steps(stores[0], epoch) == steps(stores[1], epoch)
+
+
 def test_the_extraction_benchmark_runs_at_toy_size(tmp_path):
     """benchmarks/hidden_extract.py keeps working between GPU runs: its toy preset on the CPU."""
     import json

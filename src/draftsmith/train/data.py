@@ -157,25 +157,33 @@ def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenSto
 
 def pack(lengths: dict[int, int], seq_len: int, rng: random.Random | None) -> list[list[int]]:
     """Pack samples (index -> length) into rows of at most seq_len tokens: first fit, in random
-    order (rng) or in index order (None, for evaluation)."""
-    order = sorted(lengths)
+    order (rng) or in the dict's order (None, for evaluation)."""
+    order = list(lengths)
     if rng is not None:
         rng.shuffle(order)
     return first_fit(order, lengths, seq_len)
 
 
+def _by_id(store: HiddenStore, members: list[int]) -> dict[int, int]:
+    """index -> length of the members, in sample-id order: so the batches depend on which
+    samples there are, not on where the hidden stage put them (offline shards of any size or
+    dtype, or online mode's tokenized order)."""
+    return {i: store.samples[i].length
+            for i in sorted(members, key=lambda i: store.samples[i].id)}
+
+
 def schedule(store: HiddenStore, members: list[int], seq_len: int, batch_size: int,
              seed: int, epoch: int) -> list[list[list[int]]]:
-    """One epoch's steps, each `batch_size` packed rows. A function of (seed, epoch) only, so
-    a resumed run replays the same steps."""
+    """One epoch's steps, each `batch_size` packed rows. A function of (seed, epoch, the
+    samples) only, so a resumed run replays the same steps."""
     rng = random.Random(seed * 100_003 + epoch)
-    rows = pack({i: store.samples[i].length for i in members}, seq_len, rng)
+    rows = pack(_by_id(store, members), seq_len, rng)
     rng.shuffle(rows)
     return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
 
 
 def eval_steps(store: HiddenStore, members: list[int], seq_len: int, batch_size: int):
-    rows = pack({i: store.samples[i].length for i in members}, seq_len, None)
+    rows = pack(_by_id(store, members), seq_len, None)
     return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
 
 
