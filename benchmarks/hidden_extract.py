@@ -26,6 +26,11 @@ Aux layers (2, 16, 29) as vLLM's default.
 - writes: the stage's shard writer alone, no GPU: shards of the packed run's sizes from pinned
   memory, `hidden.WRITERS` threads, into --work. The host's ceiling for the stage: its tok/s is
   the packed run's tokens over the time to write their states.
+- Each kind runs once to warm up, then is timed; the shards a run wrote are removed between
+  runs, off the clock (the stage removes nothing), and that removal is timed apart
+  (removed_s: the last run's).
+  drain_s: the end of a packed run's time spent waiting for its writers after the last
+  shard's states were in host memory.
 - equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies: the ceiling an
   extraction can reach on this model, measured here.
 
@@ -147,12 +152,23 @@ def before(model, seqs, layers, batch=16):
             aux[r, :n].to("cpu", torch.bfloat16), fin[r, :n].to("cpu", torch.bfloat16)
 
 
+# Output folders written by the last run of a kind. They are removed between runs, off the clock:
+# deleting 20 GB from a tmpfs takes seconds, and the stage deletes nothing.
+WRITTEN: list[Path] = []
+
+
+def remove_written() -> None:
+    import shutil
+
+    while WRITTEN:
+        shutil.rmtree(WRITTEN.pop(), ignore_errors=True)
+
+
 def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage",
            kernel: str = "auto"):
     """writer: the stage's own (stage), none (shards not written: the extraction alone), or
     safetensors.torch.save_file plus a second pass for the sha256 (what the stage did before).
     kernel: the varlen attention's kernel (packed_attention.KERNEL)."""
-    import shutil
     from unittest import mock
 
     from draftsmith import hidden, packed_attention
@@ -181,12 +197,11 @@ def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage
         return {**result, "gpu_done_at": max(copied)}
     finally:
         model.set_attn_implementation("sdpa")
-        shutil.rmtree(out, ignore_errors=True)
+        WRITTEN.append(out)
 
 
 def writes(p, lengths, hidden_size: int, work: Path) -> int:
     """-> bytes written: the packed run's shards, from pinned memory, by the stage's writer."""
-    import shutil
     from concurrent.futures import ThreadPoolExecutor
 
     from draftsmith import hidden
@@ -200,13 +215,11 @@ def writes(p, lengths, hidden_size: int, work: Path) -> int:
     final = torch.ones(max(sizes), hidden_size, dtype=torch.bfloat16, pin_memory=pin)
     out = work / "writes"
     out.mkdir(exist_ok=True)
-    try:
-        with ThreadPoolExecutor(hidden.WRITERS) as pool:
-            jobs = [pool.submit(hidden._save, {"aux": aux[:n], "final": final[:n]},
-                                out / f"w-{k:05d}.safetensors") for k, n in enumerate(sizes)]
-            return sum(j.result()["bytes"] for j in jobs)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    WRITTEN.append(out)
+    with ThreadPoolExecutor(hidden.WRITERS) as pool:
+        jobs = [pool.submit(hidden._save, {"aux": aux[:n], "final": final[:n]},
+                            out / f"w-{k:05d}.safetensors") for k, n in enumerate(sizes)]
+        return sum(j.result()["bytes"] for j in jobs)
 
 
 def _save_file_then_hash(tensors, path):
@@ -337,19 +350,26 @@ def main(argv=None):
             try:
                 fn()  # warm-up: compile, autotune, allocator, pinned pool
                 sync()
+                remove_written()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
+                seconds = 0.0
                 for _ in range(p["repeats"]):
+                    t0 = time.perf_counter()
                     out = fn()
-                sync()
+                    sync()
+                    end = time.perf_counter()
+                    seconds += end - t0
+                    removed = time.perf_counter()
+                    remove_written()
+                    removed = time.perf_counter() - removed
             except Exception as e:  # one failing kind must not lose the others' figures
+                remove_written()
                 r = {"kind": kind, "status": f"{type(e).__name__}: {str(e)[:300]}"}
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 continue
-            end = time.perf_counter()
-            seconds = (end - t0) / p["repeats"]
+            seconds /= p["repeats"]
             mix = out[1] if kind == "equal" else lengths
             n = out[0] if kind == "equal" else sum(lengths)
             r = {"kind": kind, "status": "ok", "tokens": n, "tokens_per_s": round(n / seconds, 1)}
@@ -361,11 +381,13 @@ def main(argv=None):
                 drain = end - out[1]["gpu_done_at"]
                 extraction = seconds - drain
                 r["drain_s"] = round(drain, 3)
+                r["removed_s"] = round(removed, 3)
                 r["extraction_tokens_per_s"] = round(n / extraction, 1)
                 if ceiling:
                     r["extraction_mfu"] = round(r["extraction_tokens_per_s"]
                                                 * flops_per_token(model, mix) / ceiling, 3)
             if kind == "writes":
+                r["removed_s"] = round(removed, 3)
                 r["gb_per_s"] = round(out[1]["bytes"] / seconds / 1e9, 2)
             elif ceiling:
                 r["mfu"] = round(r["tokens_per_s"] * flops_per_token(model, mix) / ceiling, 3)
@@ -373,6 +395,7 @@ def main(argv=None):
                 r["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
             if args.profile and device.type == "cuda":
                 r["breakdown"] = time_breakdown(fn, sync, args.profile / f"profile_{kind}.txt")
+                remove_written()
             results.append(r)
             print(json.dumps(r), flush=True)
     base = next((r["tokens_per_s"] for r in results if r["kind"] == "padded_hf"
