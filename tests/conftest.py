@@ -13,11 +13,7 @@ os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFL
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A toy target small enough to train in about a minute, yet trained enough to emit the
-# chat format reliably (think block, answer, end-of-turn).
-TINY_TARGET = dict(hidden_size=64, num_layers=7, num_heads=2, num_kv_heads=1,
-                   intermediate_size=192, vocab_size=512, train_steps=220, batch_size=16,
-                   lr=4e-3, train_examples=3000, eval_examples=24)
+from toys import TINY_TARGET
 
 
 @pytest.fixture(scope="session")

@@ -401,12 +401,14 @@ def some_drafter(toy_target, tmp_path_factory) -> Path:
 
 def _stage_cmd(stage: str, toy_target: Path, inputs: dict, work: Path) -> tuple[list[str], Path]:
     """The stage's command line (as dvc.yaml runs it) and the artifact it writes."""
-    from conftest import TINY_TARGET
+    from toys import TINY_TARGET
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["target"]["embedded"].update(TINY_TARGET, train_steps=20)
     params["generate"].update(num_samples=24, max_new_tokens=64, batch_size=4)
-    params["tokenize"].update(on_format_error="drop")
+    # These tests are about SIGKILL safety, not the toy's quality: tokenize keeps whatever the
+    # toy emitted (its malformed share on 24 short samples varies with the CPU that trained it).
+    params["tokenize"].update(on_format_error="drop", max_malformed_share=1.0, truncated="keep")
     params["vocab"].update(draft_vocab_size=128)
     params["benchmark"].update(num_prompts=3, max_new_tokens=24, temperatures=[0.0])
     (work / "params.yaml").write_text(yaml.safe_dump(params))

@@ -37,8 +37,13 @@ def test_generate_is_repeatable(raw_dir, toy_target, tmp_path):
 
 
 def test_reasoning_is_captured_inside_the_wrapper(raw_dir):
-    recs = [r for r in read_jsonl(raw_dir / generate.SAMPLES_FILE) if r["finish_reason"] == "stop"]
-    assert recs, "the tiny target should finish most answers"
+    finished = [r for r in read_jsonl(raw_dir / generate.SAMPLES_FILE)
+                if r["finish_reason"] == "stop"]
+    assert finished, "the tiny target should finish most answers"
+    # A toy may break its own format now and then (counted, and judged by tokenize); every
+    # record in the format has its reasoning captured inside the wrapper.
+    recs = [r for r in finished if r["well_formed"]]
+    assert len(recs) >= 0.75 * len(finished)
     for r in recs:
         assert r["completion"].startswith("<think>\n") and r["completion"].endswith("<|im_end|>")
         assert r["reasoning"] and r["reasoning"] in r["completion"]
@@ -83,7 +88,7 @@ def test_truncated_policy(raw_dir, toy_target, tmp_path):
 
 def test_format_error_fails_before_writing(raw_dir, toy_target, tmp_path):
     def seed_story_bug(recs):  # reasoning glued onto the answer, wrapper lost
-        for r in recs[:3]:
+        for r in [r for r in recs if r["finish_reason"] == "stop" and r["well_formed"]][:3]:
             r["content"], r["reasoning"] = (r["reasoning"] or "") + r["content"], None
     raw = _with(raw_dir, tmp_path, seed_story_bug)
     with pytest.raises(DraftsmithError, match="emission_mismatch: 3 sample"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_TARGET
+from toys import TINY_TARGET
 from draftsmith import export, hidden, train, vocab
 from draftsmith.atomic import write_json
 from draftsmith.config import (EmbeddedTargetConfig, ExportConfig, HiddenConfig, TargetConfig,

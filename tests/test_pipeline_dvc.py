@@ -6,7 +6,8 @@ import json
 import pytest
 import yaml
 
-from conftest import TINY_TARGET, copy_repo, dvc
+from conftest import copy_repo, dvc
+from toys import TINY_TARGET
 
 pytestmark = pytest.mark.e2e
 

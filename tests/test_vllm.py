@@ -2,11 +2,11 @@
 `make test` installs), serving a small embedded toy's target and exported drafter on 127.0.0.1.
 
 The toy's artifacts come from `dvc repro export` in a fresh checkout, on small params (SMALL:
-the embedded default's architecture at TINY_TARGET's size, the same recipe as
-tests/test_vllm_mla.py's MLA toy) so that the pipeline builds in a few minutes; `make repro`
-builds the full-size default (figures in the README). Its DVC cache lives in
-~/.cache/draftsmith (DRAFTSMITH_TEST_CACHE), so a second run of the suite restores them from
-DVC's run cache instead of training again.
+the embedded default's architecture at TINY_TARGET's size, the recipe that tests/test_vllm_mla.py
+follows with its MLA toy) so that the pipeline builds in a few minutes; `make repro` builds the
+full-size default (figures in the README). Its DVC cache lives in ~/.cache/draftsmith
+(DRAFTSMITH_TEST_CACHE), so a second run of the suite restores them from DVC's run cache instead
+of training again.
 """
 
 import json
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, REPORT, TINY_TARGET, copy_repo, dvc
+from conftest import REPO, REPORT, copy_repo, dvc
 from test_pipeline_dvc import set_params
+from toys import TINY_TARGET
 from draftsmith import benchmark, generate
 from draftsmith.atomic import read_jsonl
 from draftsmith.config import BenchmarkConfig, GenerateConfig, ServerConfig
@@ -46,11 +47,10 @@ COMMAND = f"{VLLM_PYTHON} {REPO / 'src/draftsmith/serving/vllm_cpu.py'} serve {{
 EXTRA = "--enforce-eager"
 N = 300  # generated samples
 
-# The pipeline the tests serve: the embedded (Qwen3-style) toy at TINY_TARGET's size, trained
-# long enough to answer in its chat format, and a drafter trained on its outputs (the MLA
-# toy's recipe in tests/test_vllm_mla.py, with target.model left at "embedded").
+# The pipeline the tests serve: the tests' Qwen3 toy (tests/toys.py) and a drafter trained on
+# 300 of its answers (tests/test_vllm_mla.py follows the same recipe with the MLA toy).
 SMALL = {
-    "target": {"embedded": {**TINY_TARGET, "train_steps": 400}},
+    "target": {"embedded": TINY_TARGET},
     "generate": {"num_samples": 300, "max_new_tokens": 96, "batch_size": 32},
     "tokenize": {"on_format_error": "drop"},
     "vocab": {"draft_vocab_size": 128},
@@ -72,6 +72,11 @@ def start_server(target_dir: Path, log: Path) -> ManagedServer:
                            startup_timeout_s=600)
     server.start()
     return server
+
+
+def m_random(repo: Path) -> float:
+    """The random drafter's acceptance length, as the benchmark stage measured it."""
+    return json.loads((repo / "metrics/benchmark.json").read_text())["random_drafter_acceptance_length"]
 
 
 def vllm_running() -> bool:
@@ -266,9 +271,13 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
             [o.text for o in alone], name
     REPORT.append(f"vLLM acceptance length by export: {al}")
     assert abs(al["good"] - served) <= 0.02 * served  # the stage's figure, reproduced
-    assert al["wrong aux ids"] < al["good"] - 0.1
+    # Each wrong export is judged by the share of the drafter's gain (acceptance length - 1)
+    # it keeps, against the good export served in the same run: a ratio, so a toy trained on
+    # another CPU (a little stronger or weaker) is judged the same way.
+    assert al["good"] > 1.5 * m_random(repo)  # there is a gain to lose
+    # Aux states one layer off: the drafter reads states it was not trained on.
+    assert al["wrong aux ids"] - 1 < 0.9 * (al["good"] - 1)
     # Without d2t the engine reads draft id i as target id i: only the draft tokens whose id
     # happens to equal their index still land (37 of 128 in this toy's draft vocab, 47 of 256
     # in the embedded default's), so most of the drafter's gain is lost.
-    assert al["good"] > 1.2
     assert al["no d2t"] - 1 < 0.25 * (al["good"] - 1)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, REPORT, TINY_TARGET, copy_repo, dvc
+from conftest import REPO, REPORT, copy_repo, dvc
 from test_pipeline_dvc import set_params
+from toys import TINY_MLA_TARGET
 from test_vllm import COMMAND, EXTRA, cpu_server, held_out_greedy
 from draftsmith import benchmark
 from draftsmith.config import BenchmarkConfig
@@ -23,7 +24,7 @@ from draftsmith.config import BenchmarkConfig
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 MLA = {
-    "target": {"model": "embedded-mla", "embedded": {**TINY_TARGET, "train_steps": 400}},
+    "target": {"model": "embedded-mla", "embedded": TINY_MLA_TARGET},
     "generate": {"num_samples": 300, "max_new_tokens": 96, "batch_size": 32},
     "tokenize": {"on_format_error": "drop"},
     "vocab": {"draft_vocab_size": 128},
@@ -48,7 +49,7 @@ def repo(tmp_path_factory) -> Path:
 
 def test_mla_target_with_its_drafter_in_vllm(repo):
     target = json.loads((repo / "metrics/target.json").read_text())
-    assert target["kind"] == "embedded" and target["num_layers"] == TINY_TARGET["num_layers"]
+    assert target["kind"] == "embedded" and target["num_layers"] == TINY_MLA_TARGET["num_layers"]
     assert json.loads((repo / "models/target/model/config.json").read_text())[
         "architectures"] == ["DeepseekV3ForCausalLM"]
     m = json.loads((repo / "metrics/benchmark.json").read_text())
@@ -96,7 +97,10 @@ def test_seed_failure_other_convention_loses_acceptance_and_validate_names_it(re
     al_good = json.loads((repo / "metrics/benchmark.json").read_text())["by_engine"]["vllm"]["T0.0"]
     REPORT.append(f"MLA toy in vLLM: acceptance length {al_good} as exported, {al_wrong} with "
                   "the other engine's aux-layer convention and normed states")
-    assert al_wrong < al_good - 0.3
+    # Judged by the share of the drafter's gain (acceptance length - 1) it keeps, beside the
+    # good export in the same run (README: 2.90 -> 2.01 keeps 53%), not by a fixed gap that a
+    # toy trained on another CPU could miss.
+    assert al_wrong - 1 < 0.75 * (al_good - 1)
     # Greedy output is the target's own, token for token, whatever the drafter.
     same = sum(tok.decode(texts[0.0][p.id], skip_special_tokens=False) == o.text
                for p, o in zip(prompts, alone))
