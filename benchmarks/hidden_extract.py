@@ -139,7 +139,7 @@ def padded_hf(model, seqs, layers, batch=8):
 @torch.no_grad()
 def before(model, seqs, layers, batch=16):
     """The hidden stage before this work (its `_shard`), states kept in host memory."""
-    from draftsmith.hidden import capture
+    from draftsmith.capture import capture
 
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for b in range(0, len(order), batch):
@@ -170,10 +170,10 @@ def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage
     kernel: the varlen attention's kernel (packed_attention.KERNEL)."""
     from unittest import mock
 
-    from draftsmith import hidden, packed_attention
+    from draftsmith import capture, hidden, packed_attention
     from draftsmith.config import HiddenConfig
 
-    hidden.set_attention(model, attention)
+    capture.set_attention(model, attention)
     out = work / f"h-{dtype}-{attention}-{writer}"
     save = {"stage": hidden._save, "none": lambda t, path: {"bytes": 0, "sha256": ""},
             "save_file": _save_file_then_hash}[writer]

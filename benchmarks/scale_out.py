@@ -42,7 +42,8 @@ PRESETS = {
 def train_case(p, w, device, parallel: str) -> dict:
     from draftsmith.config import TrainConfig
     from draftsmith.dist import split
-    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+    from draftsmith.target_info import TargetHead
+    from draftsmith.train.loop import Runtime, Trainer
 
     cfg = TrainConfig(ttt_steps=p["steps"], seq_len=p["T"], batch_size=p["rows"],
                       device=device.type, parallel=parallel)
@@ -64,7 +65,8 @@ def train_case(p, w, device, parallel: str) -> dict:
 
 def hidden_case(p, w, device, work: Path) -> dict:
     from draftsmith.config import HiddenConfig
-    from draftsmith.hidden import set_attention, write_hidden
+    from draftsmith.capture import set_attention
+    from draftsmith.hidden import write_hidden
 
     model = hidden_extract.make_target(p, device)
     set_attention(model, "auto")

@@ -92,7 +92,8 @@ def naive_loss(m, batch, steps):
 
 def run_case(kind, p, T, device, iters, profile: Path | None = None):
     from draftsmith.config import TrainConfig
-    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+    from draftsmith.target_info import TargetHead
+    from draftsmith.train.loop import Runtime, Trainer
     from draftsmith.train.loss import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
