@@ -43,51 +43,14 @@ import argparse
 import json
 import math
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_ttt import matmul_ceiling, run_info, save_results  # noqa: E402
-
-PRESETS = {
-    "8b": dict(config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                           num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                           max_position_embeddings=16384),
-               samples=64, median=1700, cap=8192, floor=64, layers=[2, 16, 29], repeats=1,
-               row_tokens=8192, batch_rows=2),
-    "toy": dict(config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                            max_position_embeddings=512),
-                samples=12, median=60, cap=200, floor=8, layers=[1, 2, 3], repeats=1,
-                row_tokens=256, batch_rows=2),
-}
-
-
-def length_mix(p) -> list[int]:
-    rng = random.Random(0)
-    return [max(p["floor"], min(p["cap"], int(rng.lognormvariate(math.log(p["median"]), 0.7))))
-            for _ in range(p["samples"])]
-
-
-def make_target(p, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**p["config"], attn_implementation="sdpa")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(prev)
-    return model.eval()
-
+from _common import (HIDDEN_PRESETS as PRESETS, length_mix, make_target, matmul_ceiling,
+                     run_info, save_results, write_tokenized)
 
 def flops_per_token(model, lengths) -> float:
     c = model.config
@@ -95,21 +58,6 @@ def flops_per_token(model, lengths) -> float:
                  if "embed_tokens" not in n and "lm_head" not in n)
     attn = 4 * c.num_hidden_layers * c.hidden_size * sum(n * n / 2 for n in lengths)
     return 2 * params + attn / sum(lengths)
-
-
-def write_tokenized(folder: Path, seqs: list[torch.Tensor]) -> Path:
-    from safetensors.torch import save_file
-
-    from draftsmith.atomic import write_json
-
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({"input_ids": torch.cat(seqs).to(torch.int32),
-               "loss_mask": torch.ones(sum(len(s) for s in seqs), dtype=torch.uint8),
-               "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)},
-              folder / "shard-00000.safetensors")
-    write_json(folder / "manifest.json", {"vocab_size": 0, "shards": [
-        {"file": "shard-00000.safetensors", "ids": [f"s{i:04d}" for i in range(len(seqs))]}]})
-    return folder
 
 
 def padded_batch(seqs: list[torch.Tensor]):
@@ -139,7 +87,7 @@ def padded_hf(model, seqs, layers, batch=8):
 @torch.no_grad()
 def before(model, seqs, layers, batch=16):
     """The hidden stage before this work (its `_shard`), states kept in host memory."""
-    from draftsmith.hidden import capture
+    from draftsmith.capture import capture
 
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for b in range(0, len(order), batch):
@@ -170,10 +118,10 @@ def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage
     kernel: the varlen attention's kernel (packed_attention.KERNEL)."""
     from unittest import mock
 
-    from draftsmith import hidden, packed_attention
+    from draftsmith import capture, hidden, packed_attention
     from draftsmith.config import HiddenConfig
 
-    hidden.set_attention(model, attention)
+    capture.set_attention(model, attention)
     out = work / f"h-{dtype}-{attention}-{writer}"
     save = {"stage": hidden._save, "none": lambda t, path: {"bytes": 0, "sha256": ""},
             "save_file": _save_file_then_hash}[writer]

@@ -27,29 +27,29 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hidden_extract  # noqa: E402
-import train_ttt  # noqa: E402
+from _common import (HIDDEN_PRESETS, TRAIN_PRESETS, length_mix, make_batch, make_drafter,
+                     make_target, run_info, save_results, write_tokenized)
 
 PRESETS = {
-    "8b": dict(train=dict(train_ttt.PRESETS["8b"], T=2048, rows=8, iters=8),
-               hidden=dict(hidden_extract.PRESETS["8b"], samples=128, shard_mb=256)),
-    "toy": dict(train=dict(train_ttt.PRESETS["toy"], T=128, rows=4, iters=3),
-                hidden=dict(hidden_extract.PRESETS["toy"], samples=48, shard_mb=0.02)),
+    "8b": dict(train=dict(TRAIN_PRESETS["8b"], T=2048, rows=8, iters=8),
+               hidden=dict(HIDDEN_PRESETS["8b"], samples=128, shard_mb=256)),
+    "toy": dict(train=dict(TRAIN_PRESETS["toy"], T=128, rows=4, iters=3),
+                hidden=dict(HIDDEN_PRESETS["toy"], samples=48, shard_mb=0.02)),
 }
 
 
 def train_case(p, w, device, parallel: str) -> dict:
     from draftsmith.config import TrainConfig
     from draftsmith.dist import split
-    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+    from draftsmith.target_info import TargetHead
+    from draftsmith.train.loop import Runtime, Trainer
 
     cfg = TrainConfig(ttt_steps=p["steps"], seq_len=p["T"], batch_size=p["rows"],
                       device=device.type, parallel=parallel)
     rows = split(list(range(p["rows"])), w)  # this process's share of the global batch
-    batch = train_ttt.make_batch(p, p["T"], len(rows), device)
+    batch = make_batch(p, p["T"], len(rows), device)
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
-    trainer = Trainer(cfg, Runtime.resolve(cfg, w), train_ttt.make_drafter(p, device),
+    trainer = Trainer(cfg, Runtime.resolve(cfg, w), make_drafter(p, device),
                       TargetHead(None, None, head, None), w=w)
     for _ in range(2):  # warm-up: compile, autotune, NCCL buckets
         trainer.step(batch, 1e-5)
@@ -64,14 +64,15 @@ def train_case(p, w, device, parallel: str) -> dict:
 
 def hidden_case(p, w, device, work: Path) -> dict:
     from draftsmith.config import HiddenConfig
-    from draftsmith.hidden import set_attention, write_hidden
+    from draftsmith.capture import set_attention
+    from draftsmith.hidden import write_hidden
 
-    model = hidden_extract.make_target(p, device)
+    model = make_target(p, device)
     set_attention(model, "auto")
     g = torch.Generator().manual_seed(0)
-    lengths = hidden_extract.length_mix(p)
+    lengths = length_mix(p)
     seqs = [torch.randint(0, p["config"]["vocab_size"], (n,), generator=g) for n in lengths]
-    tok = hidden_extract.write_tokenized(work / f"tok{w.rank}", seqs)
+    tok = write_tokenized(work / f"tok{w.rank}", seqs)
     cfg = HiddenConfig(dtype="bfloat16", shard_mb=p["shard_mb"], row_tokens=p["row_tokens"],
                        batch_rows=p["batch_rows"])
     run = lambda out: write_hidden(cfg, model, p["layers"], tok, work / out, "bench", 0, w)  # noqa: E731
@@ -146,14 +147,14 @@ def main(argv=None):
             if one:
                 r[case]["speedup"] = round(r[case]["tokens_per_s"] / one[case]["tokens_per_s"], 2)
     device = torch.device(args.device)
-    out = {**train_ttt.run_info(device, None), "preset": args.preset, "parallel": args.parallel,
+    out = {**run_info(device, None), "preset": args.preset, "parallel": args.parallel,
            "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
            "results": results}
     print(f"\n{'processes':>9} " + " ".join(f"{c + ' tok/s':>14} {'x':>5}" for c in args.cases))
     for r in results:
         print(f"{r['processes']:>9} " + " ".join(
             f"{r[c]['tokens_per_s']:>14} {r[c].get('speedup', '-'):>5}" for c in args.cases))
-    train_ttt.save_results(args.json, out)
+    save_results(args.json, out)
     return out
 
 

@@ -29,49 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-PRESETS = {
-    "8b": dict(H=4096, nh=32, nkv=8, hd=128, I=14336, V=128256, Vd=32000, steps=7,
-               lengths=[2048, 8192, 16384, 32768], tokens_per_step=8192, iters=8),
-    "toy": dict(H=64, nh=4, nkv=2, hd=16, I=128, V=512, Vd=128, steps=3,
-                lengths=[64, 128], tokens_per_step=256, iters=2),
-}
-
-
-def make_drafter(p, device):
-    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
-
-    torch.manual_seed(0)
-    c = DrafterConfig(hidden_size=p["H"], target_hidden_size=p["H"], num_heads=p["nh"],
-                      num_kv_heads=p["nkv"], head_dim=p["hd"], intermediate_size=p["I"],
-                      vocab_size=p["V"], draft_vocab_size=p["Vd"], aux_layers=(2, 16, 29))
-    m = Eagle3Drafter(c)
-    for prm in m.parameters():
-        torch.nn.init.normal_(prm, std=0.02)
-    draft = torch.randperm(p["V"])[:p["Vd"]].sort().values
-    m.d2t.copy_(draft - torch.arange(p["Vd"]))
-    m.t2d[draft] = True
-    return m.to(device)
-
-
-def make_batch(p, T, rows, device):
-    from draftsmith.train.data import Batch
-
-    g = torch.Generator().manual_seed(T)
-    doc = torch.zeros(rows, T, dtype=torch.long)
-    return Batch(aux=torch.randn(rows, T, 3 * p["H"], generator=g).to(torch.bfloat16),
-                 final=torch.randn(rows, T, p["H"], generator=g).to(torch.bfloat16),
-                 ids=torch.randint(0, p["V"], (rows, T), generator=g),
-                 loss_mask=torch.ones(rows, T, dtype=torch.bool), doc=doc,
-                 pos=torch.arange(T).expand(rows, T).contiguous()).to(device)
-
+from _common import (TRAIN_PRESETS as PRESETS, make_batch, make_drafter, matmul_ceiling,
+                     run_info, save_results)
 
 def naive_loss(m, batch, steps):
     """No TTT attention: each step is an ordinary causal layer over its own keys."""
@@ -92,7 +57,8 @@ def naive_loss(m, batch, steps):
 
 def run_case(kind, p, T, device, iters, profile: Path | None = None):
     from draftsmith.config import TrainConfig
-    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+    from draftsmith.target_info import TargetHead
+    from draftsmith.train.loop import Runtime, Trainer
     from draftsmith.train.loss import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
@@ -177,21 +143,6 @@ def flops_per_token(p, T):
     return p["steps"] * per_step + 6 * 3 * H * H + 2 * H * p["V"]
 
 
-def matmul_ceiling(device):
-    if device.type != "cuda":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
-
-
 def kernel_ratio(device, p):
     """The fused soft-CE kernel against its PyTorch reference, one step's logits."""
     from draftsmith_kernels import soft_ce as k
@@ -248,20 +199,6 @@ def main(argv=None):
     print("soft-CE kernel:", out["soft_ce_kernel"])
     save_results(args.json, out)
     return out
-
-
-def run_info(device, ceiling) -> dict:
-    """What every benchmark result file starts with: the command, the machine, the ceiling."""
-    return {"command": "python " + " ".join(sys.argv),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None}
-
-
-def save_results(path: Path | None, out: dict) -> None:
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ soft_ce (`cuda` raises when the kernel cannot be used).
 
 Each row (one token's state entering one layer) gets its own scale, absmax / 448, so a token
 whose residual stream is large (later layers, attention sinks) keeps its relative precision.
+The decode, plain PyTorch, is draftsmith.hidden_format.dequantize: readers of the hidden
+states need not import this module (nor build the kernel).
 """
 
 from __future__ import annotations
@@ -64,8 +66,3 @@ def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """(N, C) fp8 and (N,) scales -> (N, C) in dtype."""
-    return (q.float() * scale.float()[:, None]).to(dtype)

@@ -1,8 +1,8 @@
 """Stage `hidden`: the target's aux hidden states (and final hidden state) for every token."""
 
-from draftsmith import hidden
+from draftsmith import dist, hidden
 from draftsmith.stage import stage_main
 
 if __name__ == "__main__":
     stage_main("hidden", lambda cfg, a: hidden.run(cfg.hidden, a.target, a.tokenized, a.out),
-               paths=["target", "tokenized", "out"], distributed=True)
+               paths=["target", "tokenized", "out"], dist=dist)

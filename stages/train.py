@@ -1,7 +1,7 @@
 """Stage `train`: the EAGLE-3 drafter, trained with training-time test on the hidden states
 (stored, or in online mode computed here from the tokenized data)."""
 
-from draftsmith import train
+from draftsmith import dist, train
 from draftsmith.stage import stage_main
 
 if __name__ == "__main__":
@@ -9,4 +9,4 @@ if __name__ == "__main__":
                                                  a.checkpoints, a.curve, a.plot, a.tokenized,
                                                  cfg.hidden),
                paths=["target", "tokenized", "hidden", "vocab", "out", "checkpoints", "curve",
-                      "plot"], distributed=True)
+                      "plot"], dist=dist)

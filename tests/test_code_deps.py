@@ -46,3 +46,17 @@ def test_the_write_command_reproduces_dvc_yaml():
     assert rewrite(text) == text
     broken = text.replace("      - src/draftsmith/train/loss.py\n", "", 1)
     assert broken != text and rewrite(broken) == text
+
+
+def test_readers_of_the_hidden_states_do_not_depend_on_their_writer():
+    """train and benchmark read the hidden states through hidden_format.py alone: tuning the
+    hidden stage's writer (its threads, safetensors_write.py, the fp8 kernel) reruns only it;
+    and only the stages that relaunch under torchrun depend on dist.py."""
+    writer = {"src/draftsmith/hidden.py", "src/draftsmith/safetensors_write.py",
+              "kernels/fp8_rows.py", "kernels/fp8_rows.cu"}
+    for name in ("train", "benchmark"):
+        deps = {str(p.relative_to(REPO)) for p in closure(REPO / "stages" / f"{name}.py")}
+        assert not deps & writer, (name, sorted(deps & writer))
+    for name in stages():
+        deps = {str(p.relative_to(REPO)) for p in closure(REPO / "stages" / f"{name}.py")}
+        assert ("src/draftsmith/dist.py" in deps) == (name in ("hidden", "train")), name

@@ -221,7 +221,7 @@ def test_sigkilled_hidden_stage_resumes_to_the_same_artifact(toy_target, tmp_pat
     from safetensors.torch import save_file
 
     from draftsmith.atomic import write_json
-    from draftsmith.hidden import iter_hidden
+    from draftsmith.hidden_format import iter_hidden
 
     import torch
 
@@ -287,7 +287,7 @@ def test_full_disk_during_shard_writes(tmp_path, small_disk, fault_row):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from draftsmith import hidden
+    from draftsmith import hidden, hidden_format
     from draftsmith.config import HiddenConfig
     from test_hidden import _tokenized
 
@@ -306,10 +306,10 @@ def test_full_disk_during_shard_writes(tmp_path, small_disk, fault_row):
     m = hidden.write_hidden(cfg, model, [1, 3, 4], tok, out, "rev", 0)
     assert m["reused_shards"] == len(written) and m["samples"] == 60
     ref = hidden.write_hidden(cfg, model, [1, 3, 4], tok, tmp_path / "ref", "rev", 0)
-    got = {sid: a for sid, a, *_ in hidden.iter_hidden(out)}
-    assert got.keys() == {sid for sid, *_ in hidden.iter_hidden(tmp_path / "ref")}
+    got = {sid: a for sid, a, *_ in hidden_format.iter_hidden(out)}
+    assert got.keys() == {sid for sid, *_ in hidden_format.iter_hidden(tmp_path / "ref")}
     assert ref["tokens"] == m["tokens"]
-    for sid, a, *_ in hidden.iter_hidden(tmp_path / "ref"):
+    for sid, a, *_ in hidden_format.iter_hidden(tmp_path / "ref"):
         assert torch.equal(got[sid], a)
     fault_row("disk full while writing hidden shards", f"clear error naming the device; no "
               f"partial shard; the rerun with space keeps the {len(written)} written shards")

@@ -7,7 +7,7 @@ import torch
 from transformers import (DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig,
                           AutoModelForCausalLM)
 
-from draftsmith import hidden
+from draftsmith import capture, hidden, hidden_format
 from draftsmith.config import HiddenConfig
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
@@ -36,7 +36,7 @@ def model(request):
 def test_aux_states_enter_layer_k_before_any_norm(model):
     ids = torch.randint(0, 97, (2, 11))
     layers = [0, 2, 4, 5]
-    aux, final = hidden.capture(model, ids, torch.ones_like(ids), layers)
+    aux, final = capture.capture(model, ids, torch.ones_like(ids), layers)
     with torch.no_grad():
         ref = model(input_ids=ids, output_hidden_states=True)
         # Independent reference: run the layers by hand and record each one's input.
@@ -58,7 +58,7 @@ def test_aux_states_enter_layer_k_before_any_norm(model):
 def attention(model, request):
     """The model set to each attention the stage packs with: SDPA over padded rows, and the
     packed varlen attention (one flat row; per-sample SDPA on a CPU)."""
-    hidden.set_attention(model, request.param)
+    capture.set_attention(model, request.param)
     yield request.param
     model.set_attn_implementation("sdpa")
 
@@ -84,10 +84,10 @@ def test_stage_files_hold_the_captured_tensors(model, attention, tmp_path):
     m = hidden.write_hidden(cfg, model, [2, 4, 5], tok, tmp_path / "h", "rev", pad_id=0)
     assert m["tokens"] == 17 and m["shards"] == 2  # no padding stored
     assert m["bytes_per_token"] == 4 * 64 * 4
-    got = {sid: (a, f, i) for sid, a, f, i, _ in hidden.iter_hidden(tmp_path / "h")}
+    got = {sid: (a, f, i) for sid, a, f, i, _ in hidden_format.iter_hidden(tmp_path / "h")}
     model.set_attn_implementation("sdpa")  # the reference: each sample alone
     for sid, seq in zip("abc", seqs):
-        aux, final = hidden.capture(model, seq[None], torch.ones(1, len(seq), dtype=torch.long),
+        aux, final = capture.capture(model, seq[None], torch.ones(1, len(seq), dtype=torch.long),
                                     [2, 4, 5])
         assert torch.equal(got[sid][2], seq)
         # Packing beside other samples must not change a sample's states (beyond float noise).
@@ -100,10 +100,10 @@ def test_packed_rows_in_varlen_equal_the_masked_rows(model):
     through the varlen attention equal the same rows through SDPA's block-diagonal mask."""
     ids = torch.randint(1, 97, (2, 16))
     pos = torch.tensor([[*range(9), *range(5), 0, 1], [*range(16)]])
-    want = hidden.capture_rows(model, ids, pos, [2, 4, 5])
-    hidden.set_attention(model, "varlen")
+    want = capture.capture_rows(model, ids, pos, [2, 4, 5])
+    capture.set_attention(model, "varlen")
     try:
-        got = hidden.capture_rows(model, ids, pos, [2, 4, 5])
+        got = capture.capture_rows(model, ids, pos, [2, 4, 5])
     finally:
         model.set_attn_implementation("sdpa")
     for g, w in zip(got, want):
@@ -151,7 +151,7 @@ def test_training_reads_the_shards_by_slices(model, tmp_path):
                         [2, 4, 5], tok,
                         tmp_path / "h", "rev", 0)
     store = HiddenStore(tmp_path / "h")
-    for i, (sid, aux, final, ids, mask) in enumerate(hidden.iter_hidden(tmp_path / "h")):
+    for i, (sid, aux, final, ids, mask) in enumerate(hidden_format.iter_hidden(tmp_path / "h")):
         assert store.samples[i].id == sid
         got = store.read(i)
         for a, b in zip(got, (aux, final, ids, mask)):
@@ -161,7 +161,7 @@ def test_training_reads_the_shards_by_slices(model, tmp_path):
 def test_training_loads_only_the_head_of_the_target(model, tmp_path):
     """Embedding, lm_head and final norm come from the safetensors alone, tied or not."""
     from draftsmith.atomic import write_json
-    from draftsmith.artifacts import load_target_head
+    from draftsmith.target_info import load_target_head
 
     model.save_pretrained(tmp_path / "m")  # safetensors
     write_json(tmp_path / "t" / "target.json", dict(
@@ -243,7 +243,8 @@ def test_online_states_equal_the_stored_ones(model, tmp_path):
     what the offline stage stores for the same tokens."""
     from draftsmith.config import TrainConfig
     from draftsmith.train.data import HiddenStore, TokenStore, make_batch, open_store
-    from draftsmith.train.loop import Runtime, TargetHead, Trainer, build_drafter
+    from draftsmith.target_info import TargetHead
+    from draftsmith.train.loop import Runtime, Trainer, build_drafter
 
     tok, _ = _tokenized(tmp_path, [7, 12, 5, 9, 3])
     layers = [2, 4, 5]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toys import TINY_TARGET
-from draftsmith import export, hidden, train, vocab
+from draftsmith import capture, export, hidden, hidden_format, train, vocab
 from draftsmith.atomic import write_json
 from draftsmith.config import (EmbeddedTargetConfig, ExportConfig, HiddenConfig, TargetConfig,
                                TrainConfig, VocabConfig)
@@ -121,8 +121,8 @@ def test_kimi_k25_layout_goes_through_target_hidden_train_and_export(deepseek_di
     bare = AutoModelForCausalLM.from_pretrained(deepseek_dir, dtype=torch.float32).eval()
     assert type(wrapped).__name__ == "Kimi_K25ForConditionalGeneration"
     ids = torch.randint(1, info.vocab_size, (2, 13))
-    a_aux, a_final = hidden.capture(wrapped, ids, torch.ones_like(ids), [2, 3, 4])
-    b_aux, b_final = hidden.capture(bare, ids, torch.ones_like(ids), [2, 3, 4])
+    a_aux, a_final = capture.capture(wrapped, ids, torch.ones_like(ids), [2, 3, 4])
+    b_aux, b_final = capture.capture(bare, ids, torch.ones_like(ids), [2, 3, 4])
     assert torch.equal(a_aux, b_aux) and torch.equal(a_final, b_final)
 
     # Tokenized samples by hand (the random model cannot answer in format), then the stages.
@@ -141,8 +141,8 @@ def test_kimi_k25_layout_goes_through_target_hidden_train_and_export(deepseek_di
     m = hidden.run(HiddenConfig(dtype="float32"), tmp_path / "target", tok, tmp_path / "hidden")
     assert m["tokens"] == sum(lengths)
     L = info.num_layers
-    for sid, aux, final, ids_, _ in hidden.iter_hidden(tmp_path / "hidden"):
-        ref_aux, _ = hidden.capture(bare, ids_[None].long(), torch.ones(1, len(ids_)),
+    for sid, aux, final, ids_, _ in hidden_format.iter_hidden(tmp_path / "hidden"):
+        ref_aux, _ = capture.capture(bare, ids_[None].long(), torch.ones(1, len(ids_)),
                                     [2, L // 2, L - 3])
         assert torch.allclose(aux, ref_aux[0], atol=1e-5), sid
     train.run(TrainConfig(steps=3, seq_len=64, batch_size=2, eval_samples=2, warmup_steps=1,

@@ -9,7 +9,7 @@ import torch
 
 from draftsmith import speculative
 from draftsmith.drafter import DrafterCache, DrafterConfig, Eagle3Drafter
-from draftsmith.hidden import capture
+from draftsmith.capture import capture
 from draftsmith.speculative import Eagle3Proposer, SpecStats, TargetProposer
 
 from conftest import random_drafter as tiny_drafter

@@ -212,7 +212,8 @@ def test_bf16_working_copy_carries_autocast_gradients_to_fp32_master_weights(dev
     import copy
 
     from draftsmith.config import TrainConfig
-    from draftsmith.train.loop import Runtime, TargetHead, Trainer
+    from draftsmith.target_info import TargetHead
+    from draftsmith.train.loop import Runtime, Trainer
 
     m = drafter(torch.float32, head_dim=16)  # compiled flex attention needs >= 16
     for p in m.parameters():

@@ -4,9 +4,10 @@ Held out means: prompts whose stable ids never occur in the generated training d
 not assumed). The same prompts run with a randomly initialised drafter of the same shape, so the
 metric visibly measures the drafter rather than the prompts.
 
-Engines: `reference` (speculative.py, in this process, exact by construction) and `vllm` (the
-exported drafter served by a real vLLM, acceptance read from its `/metrics` counters). Both
-run on the same prompts and k, so their figures compare directly.
+Engines: `reference` (speculative.py, in this process, exact by construction) and each served
+engine with acceptance counters (serving/engines.py: `vllm`, the exported drafter served by a
+real vLLM, acceptance read from its `/metrics` counters). All run on the same prompts and k, so
+their figures compare directly.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.lossless import check_greedy, check_sampled
 from draftsmith.prompts import builtin_prompts, load_prompts
 from draftsmith.render import prompt_text
+from draftsmith.serving.engines import ENGINES, REFERENCE
 from draftsmith.speculative import Eagle3Proposer, SpecStats, generate
 
 
@@ -89,17 +91,18 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
 
     info = read_info(target_dir)
     prompts, excluded = held_out_prompts(cfg, raw_dir)
-    if "vllm" in cfg.engines:
-        _check_vllm_setup(server or ServerConfig(), export_dir)
+    for engine in cfg.engines:
+        if engine != REFERENCE:
+            _check_served_setup(server or ServerConfig(), export_dir, engine)
     judge = TargetJudge(cfg, target_dir, prompts, device)
     by_engine, baseline = {}, None
     for engine in cfg.engines:
-        if engine == "reference":
+        if engine == REFERENCE:
             results, baseline = reference_acceptance(cfg, judge, drafter_dir)
         else:
-            results, outputs = vllm_acceptance(cfg, server or ServerConfig(), target_dir,
-                                               Path(export_dir) / "vllm", prompts,
-                                               Path(work_dir or "data/benchmark.work"))
+            results, outputs = served_acceptance(cfg, server or ServerConfig(), target_dir,
+                                                 Path(export_dir) / engine, prompts,
+                                                 Path(work_dir or "data/benchmark.work"))
             for r in results:
                 ids = [outputs[r["temperature"]][p.id] for p in prompts]
                 r["lossless"] = judge.verdict(ids, r["temperature"])
@@ -220,20 +223,22 @@ def reference_acceptance(cfg: BenchmarkConfig, judge: TargetJudge, drafter_dir: 
     return results, baseline
 
 
-def _check_vllm_setup(server: ServerConfig, export_dir: Path | None) -> None:
-    if server.engine != "vllm":
+def _check_served_setup(server: ServerConfig, export_dir: Path | None, engine: str) -> None:
+    if server.engine != engine:
+        unmeasured = " or ".join(e.label for e in ENGINES.values() if e.spec_metrics is None)
         raise DraftsmithError(
-            f"benchmark.engines lists 'vllm' but server.engine is '{server.engine}'",
-            "set server.engine: vllm (SGLang cannot be benchmarked here; see the README)")
-    if export_dir is None or not (Path(export_dir) / "vllm" / "config.json").exists():
-        raise DraftsmithError(f"no vLLM export under {export_dir}",
+            f"benchmark.engines lists '{engine}' but server.engine is '{server.engine}'",
+            f"set server.engine: {engine} ({unmeasured} cannot be benchmarked here; see "
+            "docs/serving.md)")
+    if export_dir is None or not (Path(export_dir) / engine / "config.json").exists():
+        raise DraftsmithError(f"no {ENGINES[engine].label} export under {export_dir}",
                               "run the export stage first (`dvc repro export`)")
 
 
-def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path,
-                    draft_dir: Path, prompts, work_dir: Path) -> tuple[list[dict], dict]:
-    """Serve the target with the exported drafter in vLLM, send the prompts at each
-    temperature, and read acceptance from vLLM's counters. Returns the per-temperature
+def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path,
+                      draft_dir: Path, prompts, work_dir: Path) -> tuple[list[dict], dict]:
+    """Serve the target with the exported drafter in `server.engine`, send the prompts at each
+    temperature, and read acceptance from the engine's counters. Returns the per-temperature
     results and the outputs ({temperature: {prompt id: emitted token ids}})."""
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
@@ -244,7 +249,7 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
     fmt = read_info(target_dir).format
     results, outputs = [], {}
     with serve_target(server, target_dir, work_dir, seed=cfg.seed, launch=True,
-                      extra=speculative_args("vllm", draft_dir, k)) as urls:
+                      extra=speculative_args(server.engine, draft_dir, k)) as urls:
         client = ChatClient(server, urls, fmt)
         try:
             for temp in cfg.temperatures:
@@ -255,11 +260,12 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
                         "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
                 reqs = [ChatRequest(p.id, p.messages, {**body, "seed": cfg.seed + i})
                         for i, p in enumerate(prompts)]
-                t0, before = time.time(), Counters.scrape(urls[0], k)
+                t0, before = time.time(), Counters.scrape(urls[0], k, server.engine)
                 outs = {r.id: o for r, o in tqdm(client.stream(reqs), total=len(reqs),
-                                                 desc=f"vllm T={temp}", unit="prompt")}
+                                                 desc=f"{server.engine} T={temp}",
+                                                 unit="prompt")}
                 wall = time.time() - t0
-                summary = (Counters.scrape(urls[0], k) - before).summary()
+                summary = (Counters.scrape(urls[0], k, server.engine) - before).summary()
                 tokens = sum(o.num_tokens for o in outs.values())
                 results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
                                 "tokens_per_s": round(tokens / wall, 1)})
@@ -272,3 +278,8 @@ def vllm_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path
         finally:
             client.close()
     return results, outputs
+
+
+# The name tests/test_vllm.py and tests/test_vllm_mla.py call (vLLM is the one engine with
+# acceptance counters so far).
+vllm_acceptance = served_acceptance

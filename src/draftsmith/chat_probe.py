@@ -18,7 +18,7 @@ from draftsmith.errors import DraftsmithError
 
 REASONING, ANSWER, QUESTION = "Sentinel reasoning 7", "Sentinel answer 7", "Sentinel question 7"
 _DECLARE = ("declare the format in params.yaml: target.chat_format: {reasoning_open: ..., "
-            "reasoning_close: ..., end_of_turn: ...} (README, 'Chat formats')")
+            "reasoning_close: ..., end_of_turn: ...} (docs/chat-formats.md)")
 
 
 def resolve_format(spec, tokenizer) -> ChatFormat:

@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.artifacts import read_manifest
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
@@ -44,10 +44,7 @@ def save_drafter(model: Eagle3Drafter, out_dir: Path) -> None:
 
 
 def read_drafter_config(drafter_dir: Path) -> DrafterConfig:
-    f = Path(drafter_dir) / DRAFTER_CONFIG
-    if not f.exists():
-        raise DraftsmithError(f"{f} not found", "run the train stage first: `dvc repro train`")
-    c = json.loads(f.read_text())
+    c = read_manifest(Path(drafter_dir) / DRAFTER_CONFIG, "train")
     c["aux_layers"] = tuple(c["aux_layers"])
     return DrafterConfig(**c)
 

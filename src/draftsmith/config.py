@@ -14,7 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from draftsmith.chat_format import FORMATS
 from draftsmith.errors import ConfigError
+from draftsmith.serving.engines import DEFAULT as DEFAULT_ENGINE
+from draftsmith.serving.engines import MEASURABLE, NAMES as ENGINE_NAMES, REFERENCE
 
 EMBEDDED = "embedded"
 EMBEDDED_MLA = "embedded-mla"  # the same toy as a DeepSeek-V3 model (MLA + MoE), like Kimi-K2.5
@@ -79,7 +82,8 @@ class TargetConfig(_Section):
     revision: str = "main"
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    chat_format: Literal["auto", "qwen3", "deepseek-r1", "chatml", "llama3"] | ChatFormatSpec = "auto"
+    # auto (probed from the template), a registered format's name, or one spelled out.
+    chat_format: Literal[("auto", *FORMATS)] | ChatFormatSpec = "auto"
     embedded: EmbeddedTargetConfig = EmbeddedTargetConfig()
 
     @property
@@ -120,7 +124,7 @@ class ServerConfig(_Section):
     engine use it. Not a dependency of any stage's output (where answers come from is not
     part of what they are), so changing it reruns nothing."""
 
-    engine: Literal["vllm", "sglang"] = "vllm"
+    engine: Literal[ENGINE_NAMES] = DEFAULT_ENGINE
     urls: list[str] = []
     launch: bool = False
     command: str | None = None
@@ -212,7 +216,7 @@ class BenchmarkConfig(_Section):
     max_new_tokens: int = Field(160, ge=1)
     thinking: bool = True
     seed: int = 0
-    engines: list[Literal["reference", "vllm"]] = Field(["reference"], min_length=1)
+    engines: list[Literal[(REFERENCE, *MEASURABLE)]] = Field([REFERENCE], min_length=1)
 
     @model_validator(mode="after")
     def _temps(self):

@@ -1,20 +1,19 @@
 """Export the drafter for the engines and validate an export.
 
-`vllm/` is the `LlamaForCausalLMEagle3` layout that vLLM loads (llama_eagle3.py): config.json +
-model.safetensors with `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (offsets) and `t2d`; the
-embedding table is left out (the engines share the target's). Its aux layer ids are in vLLM's
-convention: id k = the hidden state entering target layer k.
+One folder per engine of serving/engines.py, each the `LlamaForCausalLMEagle3` layout that
+vLLM loads (llama_eagle3.py) and SGLang reads: config.json + model.safetensors with
+`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (offsets) and `t2d`; the embedding table is left
+out (the engines share the target's). The weights are the same in every folder; the aux layer
+ids are written in each engine's convention (its table entry):
 
-`sglang/` is the same weights with the ids rewritten for SGLang, which reads an id i as the
-OUTPUT of layer i (`set_eagle3_layers_to_capture` adds one; models/llama.py, qwen3.py,
-deepseek_v2.py), so id k there means the same tensor as vLLM's k + 1. Since sglang#25454 some
-models add the one only when the first id is 1, so the SGLang form is only written unambiguous:
-first vLLM id 2 (the default), first SGLang id 1, read the same by old and new SGLang.
+- `vllm/`: id k = the hidden state entering target layer k (ours), in the top-level
+  `eagle_aux_hidden_state_layer_ids` (what vLLM reads) and in `eagle_config`;
+- `sglang/`: SGLang reads an id i as the OUTPUT of layer i, so id k there means the same tensor
+  as vLLM's k + 1, in `eagle_config` only. Since sglang#25454 some models add the one only when
+  the first id is 1, so the SGLang form is only written unambiguous: first vLLM id 2 (the
+  default), first SGLang id 1, read the same by old and new SGLang.
 
-Where each engine reads the ids: vLLM the top-level `eagle_aux_hidden_state_layer_ids`
-(eagle3_utils.get_eagle3_aux_layers_from_config), SGLang `eagle_config.eagle_aux_hidden_state_
-layer_ids` (model_runner.py). The vLLM config carries both (same values); the SGLang config only
-the nested one. Each states its convention in `draftsmith.aux_layer_convention`.
+Each config states its convention in `draftsmith.aux_layer_convention`.
 """
 
 from __future__ import annotations
@@ -29,21 +28,13 @@ from draftsmith.checkpoint import drafter_state, load_drafter
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
+from draftsmith.serving.engines import DEFAULT, ENGINES, Engine
 
-ENGINES = ("vllm", "sglang")
-CONVENTION = {
-    "vllm": "id k = hidden state entering target layer k (output of layer k-1, before the final norm)",
-    "sglang": "id i = output of target layer i (SGLang captures layer i + 1's input)",
-}
 ARCH = "LlamaForCausalLMEagle3"
+OURS = ENGINES["vllm"]  # training's aux layer ids are in vLLM's convention
 
 
-def engine_layer_ids(aux_layers, engine: str) -> list[int]:
-    """Our aux layers (vLLM convention) written in an engine's convention."""
-    return [k - 1 for k in aux_layers] if engine == "sglang" else list(aux_layers)
-
-
-def _config(c: DrafterConfig, engine: str, dtype: str, provenance: dict) -> dict:
+def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:
     return {
         "architectures": [ARCH],
         "model_type": "llama",
@@ -62,15 +53,16 @@ def _config(c: DrafterConfig, engine: str, dtype: str, provenance: dict) -> dict
         "target_hidden_size": c.target_hidden_size,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
-        **({"eagle_aux_hidden_state_layer_ids": list(c.aux_layers)} if engine == "vllm" else {}),
+        **({"eagle_aux_hidden_state_layer_ids": engine.layer_ids(c.aux_layers)}
+           if engine.top_level_aux_ids else {}),
         "eagle_config": {
             "use_aux_hidden_state": True,
-            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(c.aux_layers, engine),
+            "eagle_aux_hidden_state_layer_ids": engine.layer_ids(c.aux_layers),
             "norm_before_fc": False,
         },
         "draftsmith": {
-            "engine": engine,
-            "aux_layer_convention": CONVENTION[engine],
+            "engine": engine.name,
+            "aux_layer_convention": engine.aux_convention,
             "aux_layers_vllm_convention": list(c.aux_layers),
             "aux_capture": "the residual stream entering each layer, before any norm "
                            "(norm_before_fc: false)",
@@ -81,11 +73,11 @@ def _config(c: DrafterConfig, engine: str, dtype: str, provenance: dict) -> dict
 
 def export(model: Eagle3Drafter, out_dir: Path, *, dtype: str = "bfloat16",
            provenance: dict | None = None) -> None:
-    """Write out_dir/vllm and out_dir/sglang."""
+    """Write out_dir/<engine> for each engine (out_dir/vllm, out_dir/sglang)."""
     tensors = drafter_state(model, getattr(torch, dtype))
     with atomic_path(out_dir) as tmp:
-        for engine in ENGINES:
-            d = tmp / engine
+        for engine in ENGINES.values():
+            d = tmp / engine.name
             d.mkdir(parents=True)
             save_file(tensors, d / "model.safetensors")
             write_json(d / "config.json", _config(model.config, engine, dtype, provenance or {}))
@@ -130,7 +122,7 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
             raise DraftsmithError(f"{export_dir}: {f.name} is missing", "re-run the train stage")
     c = json.loads(cfg_file.read_text())
     t = load_file(w_file)
-    engine = c.get("draftsmith", {}).get("engine", "vllm")
+    engine = ENGINES[c.get("draftsmith", {}).get("engine", DEFAULT)]
 
     if c.get("architectures") != [ARCH]:
         problems.append(f"architectures is {c.get('architectures')}, engines load [{ARCH!r}]")
@@ -143,22 +135,23 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
         problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing (the engine "
                         "would fall back to its default layers, not the ones trained on)")
     else:
-        if engine == "vllm" and c.get("eagle_aux_hidden_state_layer_ids") != ids:
-            problems.append("top-level eagle_aux_hidden_state_layer_ids (what vLLM reads) is "
-                            f"{c.get('eagle_aux_hidden_state_layer_ids')}, eagle_config says {ids}")
-        if engine == "sglang" and ids[0] != 1:
-            problems.append(f"SGLang aux ids {ids} start at {ids[0]}: SGLang versions before "
-                            "and after sglang#25454 read such a list differently (only a first id "
-                            "of 1 is read the same); train with vLLM aux layers starting at 2")
+        if engine.top_level_aux_ids and c.get("eagle_aux_hidden_state_layer_ids") != ids:
+            problems.append(f"top-level eagle_aux_hidden_state_layer_ids (what {engine.label} "
+                            f"reads) is {c.get('eagle_aux_hidden_state_layer_ids')}, "
+                            f"eagle_config says {ids}")
+        if engine.first_aux_id is not None and ids[0] != engine.first_aux_id:
+            problems.append(f"{engine.label} aux ids {ids} start at {ids[0]}: "
+                            f"{engine.first_aux_id_why}; train with {OURS.label} aux layers "
+                            f"starting at {engine.first_aux_id + engine.aux_id_offset}")
         trained = c.get("draftsmith", {}).get("aux_layers_vllm_convention")
-        lo = -1 if engine == "sglang" else 0
-        if any(not lo <= k < target_num_layers - (1 if engine == "sglang" else 0) for k in ids):
+        lo = -engine.aux_id_offset
+        if any(not lo <= k < target_num_layers - engine.aux_id_offset for k in ids):
             problems.append(f"aux layer ids {ids} out of range for a {target_num_layers}-layer target")
-        if trained is not None and ids != engine_layer_ids(trained, engine):
+        if trained is not None and ids != engine.layer_ids(trained):
             problems.append(
                 f"aux layer ids {ids} do not match the layers trained on "
-                f"({engine_layer_ids(trained, engine)} in {engine}'s convention: "
-                f"{CONVENTION[engine]})")
+                f"({engine.layer_ids(trained)} in {engine.name}'s convention: "
+                f"{engine.aux_convention})")
 
     norm_before_fc = c.get("eagle_config", {}).get("norm_before_fc", c.get("norm_before_fc"))
     if norm_before_fc and "input_norm.weight" not in t:
@@ -166,7 +159,7 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
             "norm_before_fc is true but there is no input_norm.weight: the engine would "
             "RMS-normalize the captured states (a unit-weight norm) before fc, while this drafter "
             "was trained on them un-normalized (captured before the norm: "
-            f"{CONVENTION['vllm']}); set norm_before_fc: false")
+            f"{OURS.aux_convention}); set norm_before_fc: false")
     if "eagle_config" in c:
         for name, shape in _expected_shapes(c).items():
             if name not in t:
@@ -184,7 +177,7 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
         raise DraftsmithError(f"{export_dir} is not a valid EAGLE-3 export:\n  - "
                               + "\n  - ".join(problems),
                               "re-export with `dvc repro train`, or fix the listed keys")
-    return {"engine": engine, "aux_layer_ids": ids, "tensors": len(t),
+    return {"engine": engine.name, "aux_layer_ids": ids, "tensors": len(t),
             "dtype": str(next(iter(floats)))}
 
 
@@ -222,6 +215,7 @@ def run(cfg, target_dir: Path, drafter_dir: Path, out_dir: Path) -> dict:
         summary = validate(Path(out_dir) / engine, target_num_layers=info.num_layers,
                            target_hidden_size=info.hidden_size, target_vocab_size=info.vocab_size)
         out[f"{engine}_aux_layer_ids"] = summary["aux_layer_ids"]
-    out["bytes"] = (Path(out_dir) / "vllm" / "model.safetensors").stat().st_size
+    # Every engine's folder holds the same weights: the first one's size stands for them.
+    out["bytes"] = (Path(out_dir) / next(iter(ENGINES)) / "model.safetensors").stat().st_size
     out["dtype"] = cfg.dtype
     return out

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.drafter import DrafterCache
-from draftsmith.hidden import capture
+from draftsmith.capture import capture
 
 
 @dataclass
@@ -129,7 +129,7 @@ def _pick(logits, temperature: float, gen):
 @torch.no_grad()
 def target_forward(model, ids, aux_layers, cache: DynamicCache):
     """Run the target over `ids` (T,), the tokens after the cache's positions, adding theirs to
-    the cache. -> aux (T, 3H) entering `aux_layers` (as `hidden.capture`) and the final hidden
+    the cache. -> aux (T, 3H) entering `aux_layers` (as `capture.capture`) and the final hidden
     states (T, H)."""
     # transformers 5.x renames `past_key_values` to `cache`; remote code may keep the old name.
     params = inspect.signature(model.get_decoder().forward).parameters

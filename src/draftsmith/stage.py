@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from draftsmith.atomic import write_json
 from draftsmith.config import Config, load_config
@@ -18,9 +19,11 @@ from draftsmith.errors import DraftsmithError
 
 
 def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
-               paths: list[str], distributed: bool = False) -> None:
-    """distributed: the stage can run data parallel; with `distributed` params asking for more
-    than one process it relaunches itself under torchrun, and only rank 0 writes metrics."""
+               paths: list[str], dist: ModuleType | None = None) -> None:
+    """dist: `draftsmith.dist`, for a stage that can run data parallel: with `distributed`
+    params asking for more than one process it relaunches itself under torchrun, and only rank
+    0 writes metrics. The stage imports it and passes it here, so only those stages have
+    dist.py in their code deps."""
     parser = argparse.ArgumentParser(prog=f"stages.{name}", description=f"Draftsmith stage '{name}'")
     parser.add_argument("--params", default="params.yaml", help="parameters file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -35,9 +38,7 @@ def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
     main = True
     try:
         cfg = load_config(args.params, args.set)
-        if distributed:
-            from draftsmith import dist
-
+        if dist is not None:
             argv = dist.torchrun_argv(cfg.distributed, f"stages.{name}", sys.argv[1:])
             if argv:
                 os.execv(argv[0], argv)  # torchrun takes this process's place (and its pid)
@@ -49,9 +50,7 @@ def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
         print(f"error in stage '{name}': {exc}", file=sys.stderr)
         sys.exit(2)
     finally:
-        if distributed:
-            from draftsmith import dist
-
+        if dist is not None:
             dist.finish()
     if not main:
         return

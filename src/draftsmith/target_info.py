@@ -1,4 +1,5 @@
-"""Reading the target artifact: its manifest (`target.json`), tokenizer and model.
+"""Reading the target artifact: its manifest (`target.json`), tokenizer, model, and the head
+(embedding, lm_head, final norm) that drafter training reads alone.
 
 Every stage after `target` reads the target through this module alone, so their code deps do
 not include how the target was made (the toy's builder, the hub download's pinning).
@@ -10,10 +11,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from draftsmith.artifacts import read_manifest
 from draftsmith.chat_format import FORMATS, ChatFormat
 from draftsmith.config import TargetConfig
 from draftsmith.errors import DraftsmithError
+
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "target.json"
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
@@ -66,10 +72,7 @@ def download(cfg: TargetConfig) -> tuple[Path, str]:
 
 
 def read_info(artifact_dir: Path) -> TargetInfo:
-    f = Path(artifact_dir) / MANIFEST
-    if not f.exists():
-        raise DraftsmithError(f"{f} not found", "run the target stage first: `dvc repro target`")
-    return TargetInfo(**json.loads(f.read_text()))
+    return TargetInfo(**read_manifest(Path(artifact_dir) / MANIFEST, "target"))
 
 
 def context_length(artifact_dir: Path) -> int | None:
@@ -81,6 +84,15 @@ def context_length(artifact_dir: Path) -> int | None:
         return None
     config = json.loads(f.read_text())
     return config.get("text_config", config).get("max_position_embeddings")
+
+
+def _local_model_dir(info: TargetInfo, artifact_dir: Path) -> Path:
+    """Where the target's files are; a hub target whose HF cache was cleared is fetched again
+    at its pinned commit."""
+    model_dir = info.model_dir(Path(artifact_dir))
+    if info.kind == "hub" and not model_dir.exists():
+        model_dir, _ = download(TargetConfig(model=info.model, revision=info.revision))
+    return model_dir
 
 
 def load_tokenizer(artifact_dir: Path):
@@ -131,9 +143,7 @@ def load_model(artifact_dir: Path, device: str | None = None, device_map: str | 
             raise DraftsmithError("hidden.device_map: auto needs the accelerate package",
                                   "pip install accelerate, or set hidden.device_map: null")
     info = read_info(artifact_dir)
-    model_dir = info.model_dir(Path(artifact_dir))
-    if info.kind == "hub" and not model_dir.exists():
-        model_dir, _ = download(TargetConfig(model=info.model, revision=info.revision))
+    model_dir = _local_model_dir(info, artifact_dir)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=info.trust_remote_code)
     model = auto_class(config, info.trust_remote_code).from_pretrained(
         model_dir, config=config, dtype=getattr(torch, info.dtype), use_safetensors=True,
@@ -141,3 +151,83 @@ def load_model(artifact_dir: Path, device: str | None = None, device_map: str | 
         **({"device_map": device_map} if device_map else {}),
     )
     return (model if device_map else model.to(device)).eval()
+
+
+# ----------------------------------------------------------------------------- head
+
+
+@dataclass
+class TargetHead:
+    """The only parts of the target that training reads (load_target_head)."""
+    config: object  # its text config (shapes, rope, eps)
+    embed: torch.Tensor  # (V, Ht) input embedding, shared with the drafter (frozen)
+    lm_head: torch.Tensor  # (V, Ht)
+    norm: torch.Tensor  # (Ht,) final norm weight
+
+
+def load_target_head(target_dir: Path):
+    """The three target tensors drafter training needs, read alone from the safetensors: the
+    input embedding (V, H), the lm_head (V, H; the embedding when tied) and the final norm
+    weight (H,). Returns (text config, embed, lm_head, norm). Nothing else is loaded: for a
+    large target the full model would be tens or hundreds of GB of host memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    info = read_info(target_dir)
+    model_dir = _local_model_dir(info, target_dir)
+    # A multimodal wrapper's names differ from its text model's (Kimi-K2.5:
+    # `language_model.model.embed_tokens.weight`): _read_tensors matches them by suffix.
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=info.trust_remote_code)
+    with torch.device("meta"):  # names only: no memory
+        skeleton = AutoModelForCausalLM.from_config(config.get_text_config(),
+                                                    trust_remote_code=info.trust_remote_code)
+    names = {id(p): n for n, p in skeleton.named_parameters()}  # a tied weight: its first name
+    wanted = {
+        "embed": names[id(skeleton.get_input_embeddings().weight)],
+        "lm_head": names[id(skeleton.get_output_embeddings().weight)],
+        "norm": names[id(skeleton.get_decoder().norm.weight)],
+    }
+    tensors = _read_tensors(model_dir, wanted)
+    if tensors["lm_head"] is None:  # tied: the checkpoint stores the embedding only
+        tensors["lm_head"] = tensors["embed"]
+    return skeleton.config, tensors["embed"], tensors["lm_head"], tensors["norm"]
+
+
+def _read_tensors(model_dir: Path, wanted: dict[str, str]) -> dict:
+    """{role: tensor} for checkpoint names `wanted` (matched exactly, else by suffix, since
+    some checkpoints prefix the language model differently from the module tree)."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        where = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(f, "pt") as st:
+                where.update({k: f.name for k in st.keys()})
+    out = {}
+    for role, name in wanted.items():
+        key = name if name in where else _closest_key(name, where)
+        if key is None:
+            if role == "lm_head":
+                out[role] = None
+                continue
+            raise DraftsmithError(f"{model_dir}: no tensor {name} in the safetensors",
+                                  "check that the target checkpoint is complete")
+        with safe_open(model_dir / where[key], "pt") as st:
+            out[role] = st.get_tensor(key)
+    return out
+
+
+def _closest_key(name: str, keys) -> str | None:
+    """The checkpoint key ending like `name` (its last two parts, e.g. `norm.weight`, outside
+    the decoder layers) that shares the longest suffix with it."""
+    tail = ".".join(name.split(".")[-2:])
+    found = [k for k in keys if (k == tail or k.endswith("." + tail)) and ".layers." not in k]
+
+    def shared(k):
+        a, b = k.split(".")[::-1], name.split(".")[::-1]
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    return max(found, key=shared, default=None)

@@ -1,9 +1,10 @@
-"""Acceptance of a drafter measured inside vLLM, from the server's own counters.
+"""Acceptance of a drafter measured inside a serving engine, from the server's own counters.
 
-vLLM counts, per speculative step ("draft"), the tokens proposed and accepted, and how many
-were accepted at each draft position (`vllm:spec_decode_*` on `/metrics`). The difference of
-two scrapes around a batch of requests gives that batch's figures, in the same schema as the
-reference engine's `SpecStats.summary`, so the two can sit in one table.
+An engine with `spec_metrics` in its table entry (engines.py; vLLM: `vllm:spec_decode_*` on
+`/metrics`) counts, per speculative step ("draft"), the tokens proposed and accepted, and how
+many were accepted at each draft position. The difference of two scrapes around a batch of
+requests gives that batch's figures, in the same schema as the reference engine's
+`SpecStats.summary`, so the two can sit in one table.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.serving import prometheus
-
-_P = "vllm:spec_decode_"
+from draftsmith.serving.engines import DEFAULT, ENGINES
 
 
 @dataclass
@@ -23,12 +23,12 @@ class Counters:
     accepted_at: list[float]
 
     @classmethod
-    def scrape(cls, url: str, k: int) -> Counters:
+    def scrape(cls, url: str, k: int, engine: str = DEFAULT) -> Counters:
+        m = ENGINES[engine].spec_metrics
         s = prometheus.scrape(url)
-        return cls(prometheus.total(s, _P + "num_drafts_total"),
-                   prometheus.total(s, _P + "num_draft_tokens_total"),
-                   prometheus.total(s, _P + "num_accepted_tokens_total"),
-                   [prometheus.total(s, _P + "num_accepted_tokens_per_pos_total", position=str(i))
+        return cls(prometheus.total(s, m.drafts), prometheus.total(s, m.draft_tokens),
+                   prometheus.total(s, m.accepted),
+                   [prometheus.total(s, m.accepted_per_position, position=str(i))
                     for i in range(k)])
 
     def __sub__(self, other: Counters) -> Counters:

@@ -23,6 +23,7 @@ from draftsmith.chat_format import ChatFormat
 from draftsmith.config import ServerConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.inprocess import Completion
+from draftsmith.serving.engines import REASONING_FIELDS
 
 # Retried: the server is busy, restarting or unreachable. Anything else (400: prompt too long,
 # 404: wrong model name) will fail the same way again.
@@ -49,13 +50,11 @@ class RequestFailed(DraftsmithError):
 def raw_completion(message: dict, finish_reason: str, fmt: ChatFormat) -> str:
     """The text the model emitted, rebuilt from a chat response.
 
-    Servers with a reasoning parser return the thinking apart, in `reasoning` (vLLM) or
-    `reasoning_content` (SGLang, older vLLM), and drop the tags; without one it stays inline
-    in `content`. Either way the result is what the in-process backend records, so the stage's
+    Servers with a reasoning parser return the thinking apart, in one of REASONING_FIELDS
+    (each engine's, engines.py), and drop the tags; without one it stays inline in `content`. Either way the result is what the in-process backend records, so the stage's
     output does not depend on the backend. The end-of-turn token is special (servers strip
     it); a `stop` finish means the model emitted it."""
-    reasoning = next((message[k] for k in ("reasoning", "reasoning_content")
-                      if message.get(k) is not None), None)
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     content = message.get("content") or ""
     if reasoning is not None and fmt.supports_reasoning:
         # Parsers strip the tags and keep the whitespace around them in the two fields.

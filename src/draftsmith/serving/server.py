@@ -3,13 +3,12 @@ configured, healthy within a bound, and always stopped when the stage ends (so t
 is free for the next stage, which the seed story had to do by hand).
 
 `server_argv` turns `server:` in params.yaml into an engine's command line: the configured
-launcher (`vllm serve {model}` by default) followed by the arguments every run needs.
+launcher (the engine's own by default, engines.py) followed by the arguments every run needs.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shlex
 import signal
@@ -26,44 +25,34 @@ import httpx
 from draftsmith.chat_format import ChatFormat
 from draftsmith.config import ServerConfig
 from draftsmith.errors import DraftsmithError
-
-DEFAULT_COMMANDS = {
-    "vllm": "vllm serve {model}",
-    "sglang": "python -m sglang.launch_server --model-path {model}",
-}
+from draftsmith.serving.engines import DEFAULT, ENGINES
 
 
-def reasoning_parser(fmt: ChatFormat) -> str | None:
-    """vLLM's reasoning parser for a format: the <think>...</think> families. Others get none,
-    so their reasoning stays inline in `content`, verbatim, and is parsed here."""
-    if fmt.supports_reasoning and (fmt.open_tag.strip(), fmt.close_tag) == ("<think>", "</think>"):
-        return "deepseek_r1" if fmt.prompt_opens_reasoning else "qwen3"
+def reasoning_parser(fmt: ChatFormat, engine: str = DEFAULT) -> str | None:
+    """The engine's reasoning parser for a format: the <think>...</think> families, where the
+    engine has parsers for them. Others get none, so their reasoning stays inline in
+    `content`, verbatim, and is parsed here."""
+    parsers = ENGINES[engine].think_parsers
+    if parsers and fmt.supports_reasoning and \
+            (fmt.open_tag.strip(), fmt.close_tag) == ("<think>", "</think>"):
+        return parsers[1] if fmt.prompt_opens_reasoning else parsers[0]
     return None
 
 
 def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
     """Arguments that make the engine draft with an exported EAGLE-3 drafter, k tokens a step."""
-    if engine == "vllm":
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-        return ["--speculative-config", json.dumps(spec)]
-    # SGLang: a chain of k steps is topk 1 with k + 1 tokens verified (the bonus included).
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(k + 1)]
+    return ENGINES[engine].speculative_args(draft_dir, k)
 
 
 def server_argv(cfg: ServerConfig, *, model_dir: Path, served_name: str, port: int, dtype: str,
                 seed: int, chat_format: ChatFormat, extra: list[str] = ()) -> list[str]:
-    command = cfg.command or DEFAULT_COMMANDS[cfg.engine]
+    engine = ENGINES[cfg.engine]
+    command = cfg.command or engine.launch
     argv = shlex.split(command.format(model=shlex.quote(str(model_dir))))
     argv += ["--host", cfg.host, "--port", str(port), "--served-model-name", served_name,
-             "--dtype", dtype, "--seed" if cfg.engine == "vllm" else "--random-seed", str(seed)]
-    parser = reasoning_parser(chat_format)
-    # vLLM's parser returns the thinking verbatim in `message.reasoning` (checked against
-    # in-process generation in test_vllm.py). SGLang's parser stripped whitespace around it in
-    # 0.5.x releases (parser/reasoning_parser.py), which would lose the exact emitted text, so a
-    # launched SGLang gets none: the thinking then stays inline in `content`, verbatim.
-    if parser and cfg.engine == "vllm":
+             "--dtype", dtype, engine.seed_flag, str(seed)]
+    parser = reasoning_parser(chat_format, cfg.engine)
+    if parser:
         argv += ["--reasoning-parser", parser]
     return argv + list(extra) + shlex.split(cfg.extra_args)
 

@@ -1,7 +1,9 @@
 """Train stage: the EAGLE-3 drafter with training-time test, from stored hidden states.
 
 data.py: packed rows read lazily from the hidden shards; loss.py: the target's view and the
-fused draft-vocab loss; loop.py: device, steps, checkpoints, evaluation.
+fused draft-vocab loss; loop.py: device, steps, evaluation; resume.py: the checkpoints an
+interrupted run resumes from; parallel.py: DDP and FSDP2 under torchrun; precision.py: the
+bf16 working copy over fp32 master weights.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.config import HiddenConfig, TrainConfig
-from draftsmith.train.loop import TargetHead, train
+from draftsmith.target_info import TargetHead, load_target_head
+from draftsmith.train.loop import train
 
 
 def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
@@ -17,10 +20,9 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         tokenized_dir: Path | None = None, hidden: HiddenConfig | None = None) -> dict:
     """The stage: reads only the target's embedding, lm_head and final norm, unless the hidden
     artifact is online (hidden.mode: online): then the whole target runs here, on every batch."""
-    from draftsmith.artifacts import load_target_head
 
     def load_target(device):
-        from draftsmith.hidden import set_attention
+        from draftsmith.capture import set_attention
         from draftsmith.target_info import load_model
 
         model = load_model(target_dir, str(device))

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.artifacts import TOKENIZED_MANIFEST, read_hidden_manifest
-from draftsmith.hidden import STATE_KEYS, hidden_states
+from draftsmith.artifacts import TOKENIZED_MANIFEST
 from draftsmith.errors import DraftsmithError
+from draftsmith.hidden_format import STATE_KEYS, hidden_states, read_hidden_manifest
 from draftsmith.packing import first_fit
 
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import inspect
-import json
 import math
 import shutil
 import time
@@ -21,29 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED, load_drafter_weights, save_drafter
-from draftsmith.atomic import atomic_path, check_digest, file_sha256, write_json
+from draftsmith.atomic import atomic_path
+from draftsmith.checkpoint import SHARED, load_drafter_weights, save_drafter
 from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
+from draftsmith.target_info import TargetHead
 from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
                                    schedule)
 from draftsmith.train.loss import target_view, ttt_loss
+from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed, shard_over_world
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
+from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
 from draftsmith.vocab import draft_ids_from_d2t
-
-
-@dataclass
-class TargetHead:
-    """The only parts of the target that training reads (target.load_head)."""
-    config: object  # its text config (shapes, rope, eps)
-    embed: torch.Tensor  # (V, Ht) input embedding, shared with the drafter (frozen)
-    lm_head: torch.Tensor  # (V, Ht)
-    norm: torch.Tensor  # (Ht,) final norm weight
 
 
 @dataclass
@@ -114,49 +104,6 @@ def _lr(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * frac))
 
 
-class _WholeLoss(torch.nn.Module):
-    """DistributedDataParallel reduces the gradients of what its module's forward computes, and
-    FSDP2 gathers its weights around that forward, so this module's forward is a step's whole
-    TTT loss (which calls the drafter's methods, not its forward)."""
-
-    def __init__(self, compute: Eagle3Drafter, loss_fn):
-        super().__init__()
-        self.compute, self.loss_fn = compute, loss_fn
-
-    def forward(self, batch, view, attend):
-        return self.loss_fn(self.compute, batch, view, attend=attend)
-
-
-PREFIX = "compute."  # the drafter's names inside _WholeLoss
-
-
-def _ddp(whole: _WholeLoss, rt: Runtime):
-    from torch.nn.parallel import DistributedDataParallel
-
-    # The frozen embedding and the constant vocab maps are sent once, at construction: only
-    # gradients cross the wire on each step.
-    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
-                      inspect.signature(DistributedDataParallel).parameters
-                      else {"broadcast_buffers": False})  # torch < 2.13
-    return DistributedDataParallel(whole, **no_buffer_sync,
-                                   device_ids=[rt.device.index] if rt.device.type == "cuda"
-                                   else None)
-
-
-def _fully_shard(whole: _WholeLoss, rt: Runtime, w: World):
-    """FSDP2 over all processes: each holds 1/world of the fp32 weights, gradients and AdamW
-    state; a step gathers the weights in the compute dtype and reduce-scatters fp32 gradients.
-    The frozen embedding (already in the compute dtype) is a group of its own, since a group
-    holds one dtype; sharded too, so no process keeps the whole table."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(rt.device.type, (w.size,))
-    mp = MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
-    fully_shard(whole.compute.embed_tokens, mesh=mesh, mp_policy=mp)
-    return fully_shard(whole, mesh=mesh, mp_policy=mp)
-
-
 class Trainer:
     """The drafter (fp32 master weights), the module each step computes with (a bf16 working
     copy under bf16), the target head on the device, the optimizer, and one TTT step."""
@@ -196,8 +143,9 @@ class Trainer:
             loss_fn = functools.partial(
                 ttt_loss, steps=cfg.ttt_steps, weights=self.weights, kind=cfg.loss,
                 dtype=rt.dtype, per_step_count=lambda n: w.sum_(n.clone()).clamp_min(1) / w.size)
-            whole = _WholeLoss(self.compute, loss_fn)
-            self.parallel = _fully_shard(whole, rt, w) if self.fsdp else _ddp(whole, rt)
+            whole = WholeLoss(self.compute, loss_fn)
+            self.parallel = (shard_over_world(whole, rt.device, rt.dtype, w) if self.fsdp
+                             else data_parallel(whole, rt.device))
         # After FSDP2 has turned the weights into shards. One fused kernel for all of AdamW's
         # updates on the GPU (the foreach path launches a dozen per step).
         self.opt = torch.optim.AdamW(self.model.trainable_parameters(), lr=cfg.lr,
@@ -218,7 +166,7 @@ class Trainer:
         weights = get_model_state_dict(module, options=whole)
         optim = get_optimizer_state_dict(module, self.opt, options=whole) if optimizer else None
         if self.fsdp:
-            weights, optim = _renamed(weights, optim, lambda k: k.removeprefix(PREFIX))
+            weights, optim = renamed(weights, optim, lambda k: k.removeprefix(PREFIX))
         return {k: v.contiguous() for k, v in weights.items() if k != SHARED}, optim
 
     def load_state(self, weights: dict, optim: dict) -> None:
@@ -229,7 +177,7 @@ class Trainer:
 
         module = self.parallel if self.fsdp else self.model
         if self.fsdp:
-            weights, optim = _renamed(weights, optim, lambda k: PREFIX + k)
+            weights, optim = renamed(weights, optim, lambda k: PREFIX + k)
         whole = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(module, weights, options=whole)  # all but the shared embedding
         set_optimizer_state_dict(module, self.opt, optim, options=whole)
@@ -257,7 +205,7 @@ class Trainer:
     @torch.no_grad()
     def with_target_states(self, batch):
         """Online mode: the batch with the target's states computed here, on its packed rows."""
-        from draftsmith.hidden import capture_rows
+        from draftsmith.capture import capture_rows
 
         aux, final = capture_rows(self.target, batch.ids, batch.pos, self.model.config.aux_layers)
         return dataclasses.replace(batch, aux=aux, final=final)
@@ -315,59 +263,6 @@ class Trainer:
                 "positions": [int(n) for n in count]}
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _resume_key(cfg: TrainConfig, store: HiddenStore, vocab_dir: Path) -> str:
-    # How the steps are spread over processes does not change them: a checkpoint of an
-    # FSDP2 run resumes under DDP or on one process, and the other way round.
-    h = hashlib.sha256(cfg.model_dump_json(exclude={"parallel"}).encode())
-    h.update((store.dir / "manifest.json").read_bytes())  # the states', or online the tokens'
-    h.update(json.dumps(store.aux_layers).encode())
-    h.update((Path(vocab_dir) / "vocab.safetensors").read_bytes())
-    return h.hexdigest()[:16]
-
-
-CHECKPOINT_FILES = (DRAFTER_WEIGHTS, "optimizer.pt")
-
-
-def _renamed(weights: dict, optim: dict | None, rename) -> tuple[dict, dict | None]:
-    if not optim:  # not asked for, or not the main process (it gets the gathered state)
-        return {rename(k): v for k, v in weights.items()}, optim
-    groups = [{**g, "params": [rename(k) for k in g["params"]]} for g in optim["param_groups"]]
-    return ({rename(k): v for k, v in weights.items()},
-            {"state": {rename(k): v for k, v in optim["state"].items()}, "param_groups": groups})
-
-
-def _save_checkpoint(ckpt_dir: Path, weights: dict, optim: dict, step: int, key: str,
-                     curve: list) -> None:
-    with atomic_path(ckpt_dir) as tmp:
-        tmp.mkdir()
-        save_file(weights, tmp / DRAFTER_WEIGHTS)
-        torch.save(optim, tmp / "optimizer.pt")
-        digests = {f: {"bytes": (tmp / f).stat().st_size, "sha256": file_sha256(tmp / f)}
-                   for f in CHECKPOINT_FILES}
-        write_json(tmp / "state.json", {"step": step, "key": key, "curve": curve,
-                                        "files": digests})
-
-
-def _load_checkpoint(ckpt_dir: Path, trainer: Trainer, key: str):
-    state_file = ckpt_dir / "state.json"
-    if not state_file.exists():
-        return 0, []
-    state = json.loads(state_file.read_text())
-    if state["key"] != key:
-        return 0, []  # a different run's checkpoint: start over
-    for f, digest in state.get("files", {}).items():  # before reading any of it
-        check_digest(ckpt_dir / f, digest, f"delete {ckpt_dir} to train from step 0 (the "
-                     f"checkpoint of step {state['step']} cannot be resumed)")
-    weights = load_file(ckpt_dir / DRAFTER_WEIGHTS)
-    missing = set(trainer.model.state_dict()) - set(weights)
-    assert missing == {SHARED}, missing
-    trainer.load_state(weights, torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
-    return state["step"], state["curve"]
-
-
 # ----------------------------------------------------------------------------- train
 
 
@@ -396,9 +291,9 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
     model = trainer.model
     initial = trainer.evaluate(store, eval_ids)
 
-    key = _resume_key(cfg, store, vocab_dir)
+    key = resume_key(cfg, store, vocab_dir)
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-    start, curve = _load_checkpoint(Path(ckpt_dir), trainer, key)
+    start, curve = load_checkpoint(Path(ckpt_dir), trainer, key)
     trainer.working.weights_from_master()
     plan: list = []
     epoch = 0
@@ -431,7 +326,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
                 and (w.main or trainer.fsdp):  # FSDP2 gathers from every process; DDP needs one
             weights, optim = trainer.state()
             if w.main:
-                _save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
+                save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
     bar.close()
     seconds = time.time() - t0  # float(loss) above synchronised at the last step
     trained_tokens = int(w.sum_(tokens))

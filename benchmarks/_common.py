@@ -1,0 +1,140 @@
+"""What the benchmark scripts share: each result file's header (`run_info`, `save_results`),
+the GPU's matmul ceiling (for MFU), and the 8B-shaped cases that scale_out.py runs again under
+torchrun: train_ttt.py's drafter and batch, hidden_extract.py's target, length mix and tokenized
+artifact. The scripts run as `python benchmarks/<script>.py`, so this folder is on sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# ----------------------------------------------------------------------------- results
+
+
+def run_info(device, ceiling) -> dict:
+    """What every benchmark result file starts with: the command, the machine, the ceiling."""
+    return {"command": "python " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None}
+
+
+def save_results(path: Path | None, out: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def matmul_ceiling(device):
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- drafter training
+
+
+TRAIN_PRESETS = {
+    "8b": dict(H=4096, nh=32, nkv=8, hd=128, I=14336, V=128256, Vd=32000, steps=7,
+               lengths=[2048, 8192, 16384, 32768], tokens_per_step=8192, iters=8),
+    "toy": dict(H=64, nh=4, nkv=2, hd=16, I=128, V=512, Vd=128, steps=3,
+                lengths=[64, 128], tokens_per_step=256, iters=2),
+}
+
+
+def make_drafter(p, device):
+    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+
+    torch.manual_seed(0)
+    c = DrafterConfig(hidden_size=p["H"], target_hidden_size=p["H"], num_heads=p["nh"],
+                      num_kv_heads=p["nkv"], head_dim=p["hd"], intermediate_size=p["I"],
+                      vocab_size=p["V"], draft_vocab_size=p["Vd"], aux_layers=(2, 16, 29))
+    m = Eagle3Drafter(c)
+    for prm in m.parameters():
+        torch.nn.init.normal_(prm, std=0.02)
+    draft = torch.randperm(p["V"])[:p["Vd"]].sort().values
+    m.d2t.copy_(draft - torch.arange(p["Vd"]))
+    m.t2d[draft] = True
+    return m.to(device)
+
+
+def make_batch(p, T, rows, device):
+    from draftsmith.train.data import Batch
+
+    g = torch.Generator().manual_seed(T)
+    doc = torch.zeros(rows, T, dtype=torch.long)
+    return Batch(aux=torch.randn(rows, T, 3 * p["H"], generator=g).to(torch.bfloat16),
+                 final=torch.randn(rows, T, p["H"], generator=g).to(torch.bfloat16),
+                 ids=torch.randint(0, p["V"], (rows, T), generator=g),
+                 loss_mask=torch.ones(rows, T, dtype=torch.bool), doc=doc,
+                 pos=torch.arange(T).expand(rows, T).contiguous()).to(device)
+
+
+# ----------------------------------------------------------------------------- hidden extraction
+
+
+HIDDEN_PRESETS = {
+    "8b": dict(config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                           max_position_embeddings=16384),
+               samples=64, median=1700, cap=8192, floor=64, layers=[2, 16, 29], repeats=1,
+               row_tokens=8192, batch_rows=2),
+    "toy": dict(config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                            max_position_embeddings=512),
+                samples=12, median=60, cap=200, floor=8, layers=[1, 2, 3], repeats=1,
+                row_tokens=256, batch_rows=2),
+}
+
+
+def length_mix(p) -> list[int]:
+    rng = random.Random(0)
+    return [max(p["floor"], min(p["cap"], int(rng.lognormvariate(math.log(p["median"]), 0.7))))
+            for _ in range(p["samples"])]
+
+
+def make_target(p, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**p["config"], attn_implementation="sdpa")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def write_tokenized(folder: Path, seqs: list[torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    from draftsmith.atomic import write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"input_ids": torch.cat(seqs).to(torch.int32),
+               "loss_mask": torch.ones(sum(len(s) for s in seqs), dtype=torch.uint8),
+               "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s) for s in seqs]), 0)},
+              folder / "shard-00000.safetensors")
+    write_json(folder / "manifest.json", {"vocab_size": 0, "shards": [
+        {"file": "shard-00000.safetensors", "ids": [f"s{i:04d}" for i in range(len(seqs))]}]})
+    return folder

@@ -1,0 +1,113 @@
+"""What the pipeline knows about each serving engine, in one table: how to launch it, where its
+responses put the reasoning, how to make it draft with an exported EAGLE-3 drafter, which
+counters report acceptance, and how its export names the aux layers.
+
+server.py, client.py, acceptance.py, benchmark.py, export.py and config.py read this table and
+branch on nothing else, so adding an engine is one entry here (and its tests in
+tests/test_engines.py). Nothing here imports an engine: they run as separate programs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SpecMetrics:
+    """Prometheus counters (on `/metrics`) of speculative decoding, summed over the server's
+    life: drafts (verification steps), draft tokens proposed, tokens accepted, and tokens
+    accepted at each draft position (labelled `position`)."""
+    drafts: str
+    draft_tokens: str
+    accepted: str
+    accepted_per_position: str
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # server.engine's value, the export's folder and its `draftsmith.engine`
+    label: str  # for messages
+    launch: str  # the default server.command; {model} is the target's path
+    seed_flag: str
+    # The engine's reasoning parsers for the <think>...</think> families: (when the model
+    # opens the block itself, when the prompt opens it). None: launched without a parser, so
+    # the reasoning stays inline in `content`, verbatim.
+    think_parsers: tuple[str, str] | None
+    reasoning_fields: tuple[str, ...]  # response message fields a parser puts reasoning in
+    speculative_args: Callable[[Path, int], list[str]]  # (drafter export, k) -> arguments
+    spec_metrics: SpecMetrics | None  # None: acceptance cannot be read from the server
+    # Aux layer ids: ours (and vLLM's) are k = the hidden state entering target layer k; the
+    # engine's id is k - aux_id_offset.
+    aux_id_offset: int
+    aux_convention: str  # what an id means there, written into the export
+    top_level_aux_ids: bool  # the export's config also carries the ids at its top level
+    first_aux_id: int | None = None  # the only first id the engine reads unambiguously
+    first_aux_id_why: str = ""
+
+    def layer_ids(self, aux_layers) -> list[int]:
+        """Our aux layers written in this engine's convention."""
+        return [k - self.aux_id_offset for k in aux_layers]
+
+
+def _vllm_speculative(draft_dir: Path, k: int) -> list[str]:
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    return ["--speculative-config", json.dumps(spec)]
+
+
+def _sglang_speculative(draft_dir: Path, k: int) -> list[str]:
+    # A chain of k steps is topk 1 with k + 1 tokens verified (the bonus included).
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]
+
+
+_VLLM_SPEC = "vllm:spec_decode_"
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (
+    Engine(
+        name="vllm", label="vLLM", launch="vllm serve {model}", seed_flag="--seed",
+        # vLLM's parser returns the thinking verbatim in `message.reasoning` (checked against
+        # in-process generation in test_vllm.py); older releases used `reasoning_content`.
+        think_parsers=("qwen3", "deepseek_r1"),
+        reasoning_fields=("reasoning", "reasoning_content"),
+        speculative_args=_vllm_speculative,
+        spec_metrics=SpecMetrics(
+            drafts=_VLLM_SPEC + "num_drafts_total",
+            draft_tokens=_VLLM_SPEC + "num_draft_tokens_total",
+            accepted=_VLLM_SPEC + "num_accepted_tokens_total",
+            accepted_per_position=_VLLM_SPEC + "num_accepted_tokens_per_pos_total"),
+        # eagle3_utils.get_eagle3_aux_layers_from_config reads the top-level key.
+        aux_id_offset=0, top_level_aux_ids=True,
+        aux_convention="id k = hidden state entering target layer k (output of layer k-1, "
+                       "before the final norm)"),
+    Engine(
+        name="sglang", label="SGLang",
+        launch="python -m sglang.launch_server --model-path {model}", seed_flag="--random-seed",
+        # SGLang's parser stripped whitespace around the reasoning in 0.5.x releases
+        # (parser/reasoning_parser.py), which would lose the exact emitted text: launched
+        # without one. A server launched elsewhere with one answers in `reasoning_content`.
+        think_parsers=None,
+        reasoning_fields=("reasoning_content",),
+        speculative_args=_sglang_speculative,
+        spec_metrics=None,
+        # SGLang reads id i as the OUTPUT of layer i (`set_eagle3_layers_to_capture` adds one;
+        # models/llama.py, qwen3.py, deepseek_v2.py), and only `eagle_config`'s ids
+        # (model_runner.py).
+        aux_id_offset=1, top_level_aux_ids=False,
+        aux_convention="id i = output of target layer i (SGLang captures layer i + 1's input)",
+        first_aux_id=1,
+        first_aux_id_why="SGLang versions before and after sglang#25454 read such a list "
+                         "differently (only a first id of 1 is read the same)"),
+)}
+NAMES = tuple(ENGINES)
+DEFAULT = "vllm"  # server.engine's default, and the engine of an export that names none
+# Any engine's reasoning field, in the order a response is read: a server given by URL may
+# be any engine.
+REASONING_FIELDS = tuple(dict.fromkeys(f for e in ENGINES.values() for f in e.reasoning_fields))
+# What benchmark.engines may list: the in-process reference engine (speculative.py) and the
+# served engines whose acceptance can be read from their counters.
+REFERENCE = "reference"
+MEASURABLE = tuple(name for name, e in ENGINES.items() if e.spec_metrics is not None)
