@@ -263,7 +263,7 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
     al = {}
     for name, draft in [("good", export / "vllm"), ("wrong aux ids", wrong_ids),
                         ("no d2t", no_d2t)]:
-        results, texts = benchmark.vllm_acceptance(cfg, cpu_server(), target, draft, prompts,
+        results, texts = benchmark.served_acceptance(cfg, cpu_server(), target, draft, prompts,
                                                    tmp_path / name)
         al[name] = results[0]["acceptance_length"]
         # Speculation never changes greedy output, whatever the drafter.

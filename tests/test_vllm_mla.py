@@ -91,7 +91,7 @@ def test_seed_failure_other_convention_loses_acceptance_and_validate_names_it(re
     # Served anyway, on the benchmark's prompts, beside the target alone.
     cfg = BenchmarkConfig(num_prompts=30, temperatures=[0.0], max_new_tokens=96)
     prompts, tok, alone = held_out_greedy(cfg, repo)
-    results, texts = benchmark.vllm_acceptance(cfg, cpu_server(), repo / "models/target", wrong,
+    results, texts = benchmark.served_acceptance(cfg, cpu_server(), repo / "models/target", wrong,
                                                prompts, tmp_path / "serve")
     al_wrong = results[0]["acceptance_length"]
     al_good = json.loads((repo / "metrics/benchmark.json").read_text())["by_engine"]["vllm"]["T0.0"]

@@ -278,8 +278,3 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
         finally:
             client.close()
     return results, outputs
-
-
-# The name tests/test_vllm.py and tests/test_vllm_mla.py call (vLLM is the one engine with
-# acceptance counters so far).
-vllm_acceptance = served_acceptance
