@@ -215,7 +215,8 @@ def test_corrupted_exports_fail_clearly(toy_target, exported, tmp_path, name, te
     assert needle in str(e.value)
 
 
-def test_finetune_from_existing_drafter_in_both_layouts(toy_target, data, exported, tmp_path):
+def test_finetune_from_existing_drafter_in_both_layouts(toy_target, data, trained, exported,
+                                                       tmp_path):
     src = exported[0] / "vllm"
     # The speculators layout names the layer `layers.0.` instead of `midlayer.`.
     spec = tmp_path / "speculators"
@@ -227,5 +228,7 @@ def test_finetune_from_existing_drafter_in_both_layouts(toy_target, data, export
         cfg = TRAIN.model_copy(update={"init": str(path), "steps": 1})
         m = train.run(cfg, toy_target, data / "hidden", data / "vocab", tmp_path / "d",
                       tmp_path / f"c{path.name}")
-        # Starting from the trained drafter, accuracy starts high already.
-        assert m["initial_eval_accuracy"][0] > 0.4
+        # It starts where training ended (the export is bf16: within 10%), far above where a
+        # fresh drafter starts.
+        assert m["initial_eval_accuracy"][0] > 0.9 * trained[1]["eval_accuracy"][0]
+        assert m["initial_eval_accuracy"][0] > trained[1]["initial_eval_accuracy"][0] + 0.2
