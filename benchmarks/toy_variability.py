@@ -130,8 +130,8 @@ def main() -> None:
         return
 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    # Resumable: rows already in --json for the same recipe are kept (the full table is most of
-    # an hour of two cores), and the file is rewritten after every run.
+    # Resumable: rows already in --json for the same recipe are kept (the full table is 24
+    # runs, the default toy's taking minutes each), and the file is rewritten after every run.
     kept = _kept_rows(args.json, args.toys) if args.json and not args.steps else []
     rows, lock = list(kept), threading.Lock()
 
