@@ -41,6 +41,8 @@ def test_each_entry_is_complete(name, tmp_path):
 
 
 def test_config_choices_come_from_the_tables():
+    """config.py names the engines without importing the table (every stage imports config;
+    editing the table must not rerun them all): the names must be the table's."""
     assert typing.get_args(ServerConfig.model_fields["engine"].annotation) == NAMES
     assert ServerConfig().engine == DEFAULT in ENGINES
     engines = typing.get_args(BenchmarkConfig.model_fields["engines"].annotation)[0]

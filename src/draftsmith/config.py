@@ -16,11 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from draftsmith.chat_format import FORMATS
 from draftsmith.errors import ConfigError
-from draftsmith.serving.engines import DEFAULT as DEFAULT_ENGINE
-from draftsmith.serving.engines import MEASURABLE, NAMES as ENGINE_NAMES, REFERENCE
 
 EMBEDDED = "embedded"
 EMBEDDED_MLA = "embedded-mla"  # the same toy as a DeepSeek-V3 model (MLA + MoE), like Kimi-K2.5
+
+# The serving engines a user may name, and the benchmark's engines (the in-process reference
+# and the served engines whose acceptance counters are read). serving/engines.py says what each
+# one means; the names are written here rather than imported from it because every stage
+# imports this module, and a stage's code deps are its imports: editing the engine table must
+# rerun only the stages that use it. tests/test_engines.py holds these equal to the table.
+ENGINE_NAMES = ("vllm", "sglang")
+BENCHMARK_ENGINES = ("reference", "vllm")
 
 
 class _Section(BaseModel):
@@ -124,7 +130,7 @@ class ServerConfig(_Section):
     engine use it. Not a dependency of any stage's output (where answers come from is not
     part of what they are), so changing it reruns nothing."""
 
-    engine: Literal[ENGINE_NAMES] = DEFAULT_ENGINE
+    engine: Literal[ENGINE_NAMES] = "vllm"
     urls: list[str] = []
     launch: bool = False
     command: str | None = None
@@ -216,7 +222,7 @@ class BenchmarkConfig(_Section):
     max_new_tokens: int = Field(160, ge=1)
     thinking: bool = True
     seed: int = 0
-    engines: list[Literal[(REFERENCE, *MEASURABLE)]] = Field([REFERENCE], min_length=1)
+    engines: list[Literal[BENCHMARK_ENGINES]] = Field(["reference"], min_length=1)
 
     @model_validator(mode="after")
     def _temps(self):

