@@ -267,15 +267,19 @@ def test_fp8_kernel_matches_reference(shape, dtype):
     from draftsmith_kernels import fp8_rows as F8
 
     K.use("cuda")
-    x = (torch.randn(shape, device="cuda") * 30).to(dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(shape, device="cuda", generator=g) * 30).to(dtype)
     if shape[0] > 2:
         x[1] = 0
     q, s = F8.quantize(x)
     rq, rs = F8.quantize_ref(x)
     torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
     # Same scale; the kernel multiplies by 1/scale, the reference divides: at most one fp8
-    # step apart, in a few elements (0.96% at most on an H200, bf16 5 x 1000).
+    # step apart, in a few elements (0.96% at most on an H200, bf16 5 x 1000). One e4m3 step
+    # is 2^-3 of the value's power of two, and 2^-9 below the smallest normal (2^-6): e4m3's
+    # subnormals are evenly spaced, so the floor is on the value, at 2^-6.
     diff = (q.float() - rq.float()).abs()
-    step = rq.float().abs().clamp_min(2 ** -9) * 2 ** -3
-    assert torch.all(diff <= step), float((diff / step).max())
-    assert (diff > 0).float().mean() < 0.02
+    step = rq.float().abs().clamp_min(2 ** -6) * 2 ** -3
+    assert torch.all(diff <= step), float((diff / step).max()) if diff.numel() else 0.0
+    if diff.numel():  # (0, 64): an empty batch goes through, and there is nothing to compare
+        assert (diff > 0).float().mean() < 0.02

@@ -87,13 +87,16 @@ def is_varlen(model) -> bool:
 def set_attention(model, attention: str) -> None:
     """auto: on a GPU the packed varlen attention (packed_attention: one flat row, flash
     attention per sample) for a bf16/fp16 target, flex attention (masked blocks skipped) for
-    an fp32 one; SDPA on a CPU."""
+    an fp32 one, or SDPA (masked blocks computed) where the model class takes no flex attention
+    (transformers' Kimi-K2.5 wrapper: it refuses it when asked); SDPA on a CPU."""
     if attention == "auto":
         if model.device.type != "cuda":
             attention = "sdpa"
+        elif packed_attention.varlen_available(model.device, model.dtype):
+            attention = "varlen"
         else:
-            attention = "varlen" if packed_attention.varlen_available(model.device, model.dtype) \
-                else "flex_attention"
+            attention = "flex_attention" if getattr(model, "_supports_flex_attn", False) \
+                else "sdpa"
     if attention == "varlen":
         attention = packed_attention.register()
     model.set_attn_implementation(attention)
