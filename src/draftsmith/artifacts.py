@@ -31,7 +31,7 @@ def iter_samples(tokenized_dir: Path):
     """Yield (sample_id, input_ids, loss_mask) tensors from a tokenized artifact."""
     from safetensors.torch import load_file
 
-    manifest = json.loads((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_text())
+    manifest = read_manifest(Path(tokenized_dir) / TOKENIZED_MANIFEST, "tokenize")
     for shard in manifest["shards"]:
         t = load_file(Path(tokenized_dir) / shard["file"])
         cu = t["cu_seqlens"].tolist()

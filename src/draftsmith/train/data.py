@@ -14,7 +14,6 @@ the target on each batch.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftsmith.artifacts import TOKENIZED_MANIFEST
+from draftsmith.artifacts import TOKENIZED_MANIFEST, read_manifest
 from draftsmith.errors import DraftsmithError
 from draftsmith.hidden_format import STATE_KEYS, hidden_states, read_hidden_manifest
 from draftsmith.packing import first_fit
@@ -137,7 +136,7 @@ class TokenStore(HiddenStore):
     the target on each batch instead (Trainer.with_target_states)."""
 
     def __init__(self, tokenized_dir: Path, hidden_dir: Path):
-        manifest = json.loads((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_text())
+        manifest = read_manifest(Path(tokenized_dir) / TOKENIZED_MANIFEST, "tokenize")
         self._index(Path(tokenized_dir), manifest["shards"])
         self.aux_layers = read_hidden_manifest(hidden_dir)["aux_layers"]
 
