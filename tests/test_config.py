@@ -70,6 +70,9 @@ def test_wrong_type_names_key_and_value(tmp_path):
     ({"generate": {"max_new_tokens": 400}}, "leaves no room"),
     ({"benchmark": {"num_speculative_tokens": 0}}, "benchmark.num_speculative_tokens"),
     ({"train": {"init": "no/such/drafter"}}, "neither 'copy', 'scratch' nor an existing"),
+    ({"hidden": {"engine": "vllm", "mode": "online"}}, "online with engine: vllm is not built"),
+    ({"hidden": {"engine": "vllm"}, "server": {"engine": "sglang"}},
+     "server.engine is 'sglang'"),
 ])
 def test_impossible_values_fail_before_work(tmp_path, params, needle):
     with pytest.raises(ConfigError) as e:

@@ -170,6 +170,7 @@ class VocabConfig(_Section):
 
 
 class HiddenConfig(_Section):
+    engine: Literal["hf", "vllm"] = "hf"
     mode: Literal["offline", "online"] = "offline"
     aux_layers: list[int] | None = Field(None, min_length=1)
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = "bfloat16"
@@ -178,6 +179,14 @@ class HiddenConfig(_Section):
     shard_mb: float = Field(1024, gt=0)
     attention: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = "auto"
     device_map: Literal["auto"] | None = None
+
+    @model_validator(mode="after")
+    def _engine(self):
+        if self.engine != "hf" and self.mode == "online":
+            raise ValueError(f"mode: online with engine: {self.engine} is not built: online "
+                             "training runs the target in transformers. Use mode: offline (the "
+                             "engine writes the states once), or engine: hf")
+        return self
 
 
 class TrainConfig(_Section):
@@ -353,6 +362,10 @@ def check_static(cfg: Config) -> None:
             "generate.backend is 'openai' but no server is given",
             "set server.urls to running OpenAI-compatible servers (e.g. "
             "[http://127.0.0.1:8000/v1]), or server.launch: true to start one on the target")
+    if cfg.hidden.engine != "hf" and cfg.server.engine != cfg.hidden.engine:
+        raise ConfigError(
+            f"hidden.engine is '{cfg.hidden.engine}' but server.engine is '{cfg.server.engine}'",
+            f"set server.engine: {cfg.hidden.engine} (hidden states are captured in vLLM only)")
     emb = cfg.target.embedded
     if cfg.target.is_embedded:
         needed = cfg.generate.max_new_tokens + 96

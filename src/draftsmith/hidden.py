@@ -15,6 +15,9 @@ stage restarts with the same inputs (`resume.json` pins them).
 
 Under torchrun each process extracts every world-size-th shard; the first writes the manifest.
 `mode: online` stores nothing: the train stage runs the target itself (`capture_rows`).
+
+`engine: vllm` runs the target in a vLLM server instead (serving/hidden_states.py: a 1T INT4
+MoE under tensor/expert parallelism) and writes the same shards and manifest from its states.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tqdm.auto import tqdm
 from draftsmith.artifacts import TOKENIZED_MANIFEST, iter_samples
 from draftsmith.atomic import file_sha256, write_json
 from draftsmith.capture import capture_flat, capture_rows, is_varlen, set_attention
-from draftsmith.config import HiddenConfig, check_aux_layers
+from draftsmith.config import HiddenConfig, ServerConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
 from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, empty_states, encode,
                                       offline_manifest, online_manifest, shard_entry, shard_file,
@@ -142,11 +145,29 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
         at += n
     ordered = [samples[i] for row in rows for i in row]  # as _stored_order
     tensors, ready = host.done()
-    tensors.update({
+    tensors.update(_sample_tensors(ordered))
+    return tensors, ready
+
+
+def _sample_tensors(ordered: list) -> dict:
+    """A shard's token ids, loss mask and sample bounds, its samples in stored order."""
+    return {
         "input_ids": torch.cat([s[1] for s in ordered]).to(torch.int32),
         "loss_mask": torch.cat([s[2] for s in ordered]).to(torch.uint8),
         "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s[1]) for s in ordered]), 0),
-    })
+    }
+
+
+def _served_shard(client, samples: list, n_layers: int, hidden_size: int, cfg: HiddenConfig):
+    """hidden.engine: vllm: the shard's states from the server, stored as _extract_shard's."""
+    ordered = _stored_order(samples, cfg.row_tokens)
+    got = client.states_of([(s[0], s[1]) for s in ordered])
+    host = _HostShard(sum(len(s[1]) for s in ordered), n_layers, hidden_size, cfg,
+                      torch.device("cpu"))
+    host.put(0, torch.cat([got[s[0]][0] for s in ordered]),
+             torch.cat([got[s[0]][1] for s in ordered]))
+    tensors, ready = host.done()
+    tensors.update(_sample_tensors(ordered))
     return tensors, ready
 
 
@@ -184,12 +205,16 @@ def _digest(path: Path) -> dict:
 
 def _resume_key(tokenized_dir: Path, cfg: HiddenConfig, layers: list[int], target_rev: str) -> str:
     h = hashlib.sha256((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_bytes())
-    h.update(json.dumps([layers, cfg.dtype, cfg.shard_mb, cfg.row_tokens, target_rev]).encode())
+    h.update(json.dumps([layers, cfg.dtype, cfg.shard_mb, cfg.row_tokens, target_rev,
+                         cfg.engine]).encode())
     return h.hexdigest()[:16]
 
 
-def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path) -> dict:
-    """Under torchrun every process takes every world-size-th shard (data parallel)."""
+def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
+        server: ServerConfig | None = None, work_dir: Path | None = None) -> dict:
+    """Under torchrun every process takes every world-size-th shard (data parallel). With
+    hidden.engine: vllm a vLLM server runs the target (`server`: launched, its log and files
+    in work_dir, or server.urls)."""
     from draftsmith.dist import world
     from draftsmith.target_info import default_device, load_model, load_tokenizer, read_info
 
@@ -198,6 +223,11 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path)
     layers = check_aux_layers(cfg, info.num_layers)  # before loading anything big
     if cfg.mode == "online":
         return write_online_manifest(layers, info.hidden_size, out_dir) if w.main else {}
+    if cfg.engine == "vllm":
+        out_dir = Path(out_dir)
+        return write_hidden_served(cfg, server or ServerConfig(), target_dir, tokenized_dir,
+                                   out_dir, work_dir or out_dir.with_name(out_dir.name + ".work"),
+                                   layers)
     if cfg.device_map and w.size > 1:
         raise DraftsmithError(
             "hidden.device_map: auto spreads one target over all visible GPUs, so it runs as "
@@ -239,10 +269,42 @@ def _stored_order(group: list, row_tokens: int) -> list:
     return [group[i] for row in rows for i in row]
 
 
+def write_hidden_served(cfg: HiddenConfig, server: ServerConfig, target_dir: Path,
+                        tokenized_dir: Path, out_dir: Path, work_dir: Path,
+                        layers: list[int]) -> dict:
+    """hidden.engine: vllm: the same artifact as write_hidden's, the states from vLLM's capture
+    (serving/hidden_states.py). The engine spreads the target itself (tensor/expert parallel):
+    this is one process, which only sends requests and writes shards."""
+    from draftsmith.serving import hidden_states as engine
+    from draftsmith.target_info import context_length, load_final_norm, read_info
+
+    norm, config = load_final_norm(target_dir)
+    engine.check_capture(config.model_type, layers)
+    samples = list(iter_samples(tokenized_dir))
+    lengths = {s[0]: len(s[1]) for s in samples}
+    window = context_length(target_dir)
+    if window:  # before starting a server: the engine's max_model_len is at most this
+        engine.check_lengths(lengths, window, "the target")
+    states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
+    with engine.served_capture(server, target_dir, work_dir, states) as client:
+        engine.check_lengths(lengths, client.max_model_len, "the server")
+        return _write_shards(
+            cfg, lambda group: _served_shard(client, group, len(layers), config.hidden_size, cfg),
+            config.hidden_size, layers, tokenized_dir, out_dir, read_info(target_dir).revision or "")
+
+
 def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Path, out_dir: Path,
                  target_revision: str, pad_id: int, w=None) -> dict:
     """w: this process's place in a torchrun world (dist.World; None = the only process). Each
     process writes its own shards; the main one then writes the manifest for all."""
+    return _write_shards(cfg, lambda group: _extract_shard(model, group, layers, cfg, pad_id),
+                         model.config.get_text_config().hidden_size, layers, tokenized_dir,
+                         out_dir, target_revision, w)
+
+
+def _write_shards(cfg: HiddenConfig, extract, hidden_size: int, layers: list[int],
+                  tokenized_dir: Path, out_dir: Path, target_revision: str, w=None) -> dict:
+    """extract(a shard's samples) -> (its tensors, the event their copies complete at)."""
     from draftsmith.dist import World
 
     w = w or World()
@@ -250,7 +312,6 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
     if w.main:
         _prepare_out(out_dir, _resume_key(tokenized_dir, cfg, layers, target_revision))
     w.barrier()
-    hidden_size = model.config.get_text_config().hidden_size
     per_token = token_bytes(cfg.dtype, len(layers), hidden_size)
     samples = list(iter_samples(tokenized_dir))
     plan = plan_shards([len(s[1]) for s in samples], per_token, int(cfg.shard_mb * 2**20))
@@ -266,8 +327,7 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
                 reused += 1  # written whole by an earlier, interrupted run (write-then-rename)
                 future = writer.submit(_digest, path)
             else:
-                future = writer.submit(_write_shard, *_extract_shard(model, group, layers, cfg,
-                                                                     pad_id), path)
+                future = writer.submit(_write_shard, *extract(group), path)
             pending.append((s, future))
             if len(pending) > WRITERS:  # at most WRITERS + 1 shards in host memory
                 done, future = pending.pop(0)
@@ -289,6 +349,7 @@ def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Pat
     write_json(out_dir / HIDDEN_MANIFEST, offline_manifest(layers, hidden_size, cfg.dtype,
                                                            shards))
     tokens = sum(len(s[1]) for s in samples)
-    return {"mode": "offline", "aux_layers": layers, "samples": len(samples), "tokens": tokens,
+    return {"mode": "offline", "engine": cfg.engine, "aux_layers": layers,
+            "samples": len(samples), "tokens": tokens,
             "shards": len(shards), "reused_shards": sum(r for _, r in parts), "dtype": cfg.dtype,
             "bytes_per_token": per_token, "bytes": per_token * tokens, "processes": w.size}

@@ -19,11 +19,13 @@ from draftsmith.errors import DraftsmithError
 
 
 def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
-               paths: list[str], dist: ModuleType | None = None) -> None:
+               paths: list[str], dist: ModuleType | None = None,
+               one_process: Callable[[Config], bool] = lambda cfg: False) -> None:
     """dist: `draftsmith.dist`, for a stage that can run data parallel: with `distributed`
     params asking for more than one process it relaunches itself under torchrun, and only rank
     0 writes metrics. The stage imports it and passes it here, so only those stages have
-    dist.py in their code deps."""
+    dist.py in their code deps. one_process(cfg): the stage runs as one process whatever
+    `distributed` says (hidden with a serving engine, which spreads the target itself)."""
     parser = argparse.ArgumentParser(prog=f"stages.{name}", description=f"Draftsmith stage '{name}'")
     parser.add_argument("--params", default="params.yaml", help="parameters file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -38,6 +40,8 @@ def stage_main(name: str, run: Callable[[Config, argparse.Namespace], dict],
     main = True
     try:
         cfg = load_config(args.params, args.set)
+        if dist is not None and one_process(cfg):
+            dist = None
         if dist is not None:
             argv = dist.torchrun_argv(cfg.distributed, f"stages.{name}", sys.argv[1:])
             if argv:

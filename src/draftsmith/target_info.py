@@ -170,6 +170,23 @@ def load_target_head(target_dir: Path):
     input embedding (V, H), the lm_head (V, H; the embedding when tied) and the final norm
     weight (H,). Returns (text config, embed, lm_head, norm). Nothing else is loaded: for a
     large target the full model would be tens or hundreds of GB of host memory."""
+    config, model_dir, wanted = _head_names(target_dir)
+    tensors = _read_tensors(model_dir, wanted)
+    if tensors["lm_head"] is None:  # tied: the checkpoint stores the embedding only
+        tensors["lm_head"] = tensors["embed"]
+    return config, tensors["embed"], tensors["lm_head"], tensors["norm"]
+
+
+def load_final_norm(target_dir: Path):
+    """-> (the final norm's weight (H,), its text config): what turns the last layer's output
+    into the final hidden state, read alone (the hidden stage's vLLM engine applies it)."""
+    config, model_dir, wanted = _head_names(target_dir)
+    return _read_tensors(model_dir, {"norm": wanted["norm"]})["norm"], config
+
+
+def _head_names(target_dir: Path):
+    """-> (text config, model dir, {embed, lm_head, norm: checkpoint name}), from a skeleton
+    on the meta device (names only: no memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -178,19 +195,15 @@ def load_target_head(target_dir: Path):
     # A multimodal wrapper's names differ from its text model's (Kimi-K2.5:
     # `language_model.model.embed_tokens.weight`): _read_tensors matches them by suffix.
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=info.trust_remote_code)
-    with torch.device("meta"):  # names only: no memory
+    with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config.get_text_config(),
                                                     trust_remote_code=info.trust_remote_code)
     names = {id(p): n for n, p in skeleton.named_parameters()}  # a tied weight: its first name
-    wanted = {
+    return skeleton.config, model_dir, {
         "embed": names[id(skeleton.get_input_embeddings().weight)],
         "lm_head": names[id(skeleton.get_output_embeddings().weight)],
         "norm": names[id(skeleton.get_decoder().norm.weight)],
     }
-    tensors = _read_tensors(model_dir, wanted)
-    if tensors["lm_head"] is None:  # tied: the checkpoint stores the embedding only
-        tensors["lm_head"] = tensors["embed"]
-    return skeleton.config, tensors["embed"], tensors["lm_head"], tensors["norm"]
 
 
 def _read_tensors(model_dir: Path, wanted: dict[str, str]) -> dict:

