@@ -67,7 +67,7 @@ HIDDEN = dict(shard_mb=0.05, row_tokens=256, dtype="float32")  # ~60 small shard
 def one_process(toy_target, tokenized, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("h1")
     _ok(_stage("hidden", _params(tmp, "p", 1, hidden=HIDDEN), target=toy_target,
-               tokenized=tokenized, out=tmp / "h", metrics=tmp / "m.json"))
+               tokenized=tokenized, out=tmp / "h", work=tmp / "h.work", metrics=tmp / "m.json"))
     return tmp / "h"
 
 
@@ -100,7 +100,7 @@ def test_rank_killed_mid_run_loses_no_finished_shard(toy_target, tokenized, one_
     is left, and the rerun keeps every finished shard and ends equal to one process."""
     params = _params(tmp_path, "p", 2, hidden=HIDDEN)
     proc = _stage("hidden", params, target=toy_target, tokenized=tokenized,
-                  out=tmp_path / "h")
+                  out=tmp_path / "h", work=tmp_path / "h.work")
     deadline = time.time() + 300
     while len(list((tmp_path / "h").glob("hidden-*.safetensors"))) < 6:
         assert proc.poll() is None and time.time() < deadline, "the stage ended too early"
@@ -114,7 +114,7 @@ def test_rank_killed_mid_run_loses_no_finished_shard(toy_target, tokenized, one_
     assert not any(_alive(p) for p in workers)  # the other rank is gone too
     finished = {f.name: f.read_bytes() for f in (tmp_path / "h").glob("hidden-*.safetensors")}
     _ok(_stage("hidden", params, target=toy_target, tokenized=tokenized, out=tmp_path / "h",
-               metrics=tmp_path / "m.json"))
+               work=tmp_path / "h.work", metrics=tmp_path / "m.json"))
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["processes"] == 2 and metrics["reused_shards"] == len(finished)
     for name, data in finished.items():  # kept as they were, not redone

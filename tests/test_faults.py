@@ -242,7 +242,8 @@ def test_sigkilled_hidden_stage_resumes_to_the_same_artifact(toy_target, tmp_pat
     def stage(out: Path) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "stages.hidden", "--params", str(tmp_path / "params.yaml"),
-             "--target", str(toy_target), "--tokenized", str(tok), "--out", str(out)],
+             "--target", str(toy_target), "--tokenized", str(tok), "--out", str(out),
+             "--work", f"{out}.work"],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     proc = stage(tmp_path / "h")
