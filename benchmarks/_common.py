@@ -95,6 +95,14 @@ HIDDEN_PRESETS = {
                            max_position_embeddings=16384),
                samples=64, median=1700, cap=8192, floor=64, layers=[2, 16, 29], repeats=1,
                row_tokens=8192, batch_rows=2),
+    # Qwen3-8B's shape (q/k norms, head size 128, MLP 12,288, vocab 151,936); aux ids as
+    # vLLM's default (2, L//2, L-3) for its 36 layers.
+    "qwen3-8b": dict(config=dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                                 num_hidden_layers=36, num_attention_heads=32,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 max_position_embeddings=40960),
+                     samples=64, median=1700, cap=8192, floor=64, layers=[2, 18, 33], repeats=1,
+                     row_tokens=8192, batch_rows=2),
     "toy": dict(config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                             max_position_embeddings=512),
@@ -104,22 +112,27 @@ HIDDEN_PRESETS = {
 
 
 def length_mix(p) -> list[int]:
-    rng = random.Random(0)
-    return [max(p["floor"], min(p["cap"], int(rng.lognormvariate(math.log(p["median"]), 0.7))))
+    """Sample lengths: lognormal around `median` (sigma: its spread, 0.7 unless given), clipped
+    to [floor, cap]; `seed` picks the draw."""
+    rng = random.Random(p.get("seed", 0))
+    sigma = p.get("sigma", 0.7)
+    return [max(p["floor"], min(p["cap"], int(rng.lognormvariate(math.log(p["median"]), sigma))))
             for _ in range(p["samples"])]
 
 
 def make_target(p, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(**p["config"], attn_implementation="sdpa")
+    kw = dict(p["config"])
+    config = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw,
+                                  attn_implementation="sdpa")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with device:
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()

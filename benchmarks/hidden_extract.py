@@ -2,11 +2,14 @@
 before it and two plain HF baselines, side by side in one run.
 
     python benchmarks/hidden_extract.py --json benchmarks/results/hidden_extract_h200.json  # GPU, 8B
+    python benchmarks/hidden_extract.py --preset qwen3-8b --mix 2000,1.0,16384,160,0 \
+        --row-tokens 16384 --batch-rows 1                          # your own mix: a tail to 16K
     python benchmarks/hidden_extract.py --preset toy --device cpu                        # CPU, seconds
 
-Target (preset `8b`): Llama-3.1-8B shape, random bf16 weights. Data: the length mix of
-shared/notes/gpu-baseline.md, 64 samples of max(64, min(8192, lognormal(log 1700, 0.7))) tokens.
-Aux layers (2, 16, 29) as vLLM's default.
+Target (preset `8b`): Llama-3.1-8B shape, random bf16 weights; `qwen3-8b`: Qwen3-8B's shape
+(36 layers, MLP 12,288, vocab 151,936, q/k norms). Data: the length mix of
+shared/notes/gpu-baseline.md, 64 samples of max(64, min(8192, lognormal(log 1700, 0.7))) tokens,
+or `--mix MEDIAN,SIGMA,CAP,SAMPLES,SEED`. Aux layers as vLLM's default (2, L//2, L-3).
 
 - padded_hf: HF forward, random order, batch 8 padded to its longest, output_hidden_states;
   states copied to the host per sample (the usual script).
@@ -17,7 +20,8 @@ Aux layers (2, 16, 29) as vLLM's default.
   copies into pinned memory, shards written by threads to a temp dir); packed_flex: the same
   on padded rows of row_tokens with flex attention (the stage before varlen); packed_sdpa:
   rows with SDPA (masked blocks computed, not skipped); packed_varlen_sdpa: the flat row with
-  one SDPA call per sample instead of the flash kernel; packed_varlen_api: the flat row
+  one SDPA call per sample instead of the flash kernel; packed_flash: the flat row with the
+  flash kernel for every sample (the stage's kernel before `split`); packed_varlen_api: the flat row
   through torch's public `varlen_attn` (on torch 2.11: KV heads repeated, made contiguous)
   instead of aten's flash forward called directly.
 - On request (diagnostics): packed_nowrite and packed_flex_nowrite, without writing shards
@@ -56,7 +60,10 @@ def flops_per_token(model, lengths) -> float:
     c = model.config
     params = sum(p.numel() for n, p in model.named_parameters()
                  if "embed_tokens" not in n and "lm_head" not in n)
-    attn = 4 * c.num_hidden_layers * c.hidden_size * sum(n * n / 2 for n in lengths)
+    width = c.num_attention_heads * (getattr(c, "head_dim", None)
+                                     or c.hidden_size // c.num_attention_heads)
+    # causal: QK^T and PV over the n(n+1)/2 ~ n^2/2 pairs of each sample, 2 FLOPs a MAC
+    attn = 4 * c.num_hidden_layers * width * sum(n * n / 2 for n in lengths)
     return 2 * params + attn / sum(lengths)
 
 
@@ -233,6 +240,16 @@ def _union(events) -> float:
     return total
 
 
+def _mix(text: str) -> dict:
+    try:
+        median, sigma, cap, samples, seed = text.split(",")
+        return dict(median=int(median), sigma=float(sigma), cap=int(cap), samples=int(samples),
+                    seed=int(seed))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mix {text!r}: want MEDIAN,SIGMA,CAP,SAMPLES,SEED, e.g. 2000,1.0,16384,160,0")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="8b")
@@ -245,6 +262,10 @@ def main(argv=None):
                     "(default: a temp dir; /dev/shm keeps the disk out of the figure)")
     ap.add_argument("--shard-mb", type=float, help="hidden.shard_mb of the packed runs (1024)")
     ap.add_argument("--samples", type=int, help="samples in the length mix (preset's)")
+    ap.add_argument("--mix", type=_mix, metavar="MEDIAN,SIGMA,CAP,SAMPLES,SEED",
+                    help="your own length mix: lognormal around MEDIAN tokens with spread "
+                    "SIGMA (the preset's: 0.7), clipped to CAP, SAMPLES of them drawn with SEED; "
+                    "e.g. 2000,1.0,16384,160,0 for a reasoning-trace tail to 16K")
     ap.add_argument("--row-tokens", type=int, help="hidden.row_tokens of the packed runs")
     ap.add_argument("--batch-rows", type=int, help="hidden.batch_rows of the packed runs")
     ap.add_argument("--profile", type=Path, help="also profile each kind once (a GPU): "
@@ -253,6 +274,8 @@ def main(argv=None):
     p = dict(PRESETS[args.preset])
     if args.shard_mb:
         p["shard_mb"] = args.shard_mb
+    if args.mix:
+        p.update(args.mix)
     for key in ("samples", "row_tokens", "batch_rows"):
         if getattr(args, key):
             p[key] = getattr(args, key)
@@ -277,6 +300,8 @@ def main(argv=None):
                                                  Path(tmp))),
             "packed_varlen_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
                                                         Path(tmp), kernel="sdpa")),
+            "packed_flash": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
+                                                  Path(tmp), kernel="flash")),
             "packed_varlen_api": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
                                                        Path(tmp), kernel="varlen")),
             "writes": lambda: (None, {"bytes": writes(p, lengths, model.config.hidden_size,
@@ -350,6 +375,7 @@ def main(argv=None):
         if base and r["status"] == "ok":
             r["vs_padded_hf"] = round(r["tokens_per_s"] / base, 2)
     out = {**run_info(device, ceiling), "preset": args.preset,
+           "mix": {k: p.get(k) for k in ("median", "sigma", "cap", "samples", "seed")},
            "row_tokens": p["row_tokens"], "batch_rows": p["batch_rows"],
            "work_dir": str(args.work or tempfile.gettempdir()), "lengths": lengths,
            "results": results}

@@ -9,6 +9,7 @@ from transformers import (DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeCo
 
 from draftsmith import capture, hidden, hidden_format
 from draftsmith.config import HiddenConfig
+from draftsmith.errors import DraftsmithError
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
               max_position_embeddings=128)
@@ -95,6 +96,71 @@ def test_stage_files_hold_the_captured_tensors(model, attention, tmp_path):
         assert torch.allclose(got[sid][1], final[0], atol=1e-5)
 
 
+def write_tokenized(folder, seqs):
+    from safetensors.torch import save_file
+
+    from draftsmith.atomic import write_json
+
+    folder.mkdir()
+    lengths = [len(s) for s in seqs]
+    save_file({"input_ids": torch.cat(seqs).to(torch.int32),
+               "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
+               "cu_seqlens": torch.cumsum(torch.tensor([0, *lengths]), 0)},
+              folder / "shard-00000.safetensors")
+    write_json(folder / "manifest.json", {"vocab_size": 97, "shards": [
+        {"file": "shard-00000.safetensors", "ids": [f"s{i}" for i in range(len(seqs))]}]})
+    return folder
+
+
+def test_samples_longer_than_a_row_get_a_forward_of_their_own(model, attention, tmp_path):
+    """The row rule: a sample longer than hidden.row_tokens is its own row and its own forward
+    (never padded beside, or stacked on, other rows), and its states are its own."""
+    lengths = [20, 3, 5, 14, 2, 7]
+    seqs = [torch.randint(1, 97, (n,)) for n in lengths]
+    rows = hidden.pack_rows(lengths, 12)
+    forwards = hidden.plan_forwards(rows, lengths, 12, 2)
+    assert forwards[:2] == [[[0]], [[3]]]  # the two long ones, alone
+    assert all(len(f) <= 2 for f in forwards)
+    assert [r for f in forwards for r in f] == rows  # the stored order is the rows' order
+    cfg = HiddenConfig(dtype="float32", row_tokens=12, batch_rows=2)
+    m = hidden.write_hidden(cfg, model, [2, 4, 5], write_tokenized(tmp_path / "tok", seqs),
+                            tmp_path / "h", "rev", pad_id=0)
+    assert m["tokens"] == sum(lengths)
+    got = {sid: (a, f) for sid, a, f, _, _ in hidden_format.iter_hidden(tmp_path / "h")}
+    model.set_attn_implementation("sdpa")
+    for i, seq in enumerate(seqs):
+        aux, final = capture.capture(model, seq[None], torch.ones(1, len(seq), dtype=torch.long),
+                                    [2, 4, 5])
+        assert torch.allclose(got[f"s{i}"][0], aux[0], atol=1e-5)
+        assert torch.allclose(got[f"s{i}"][1], final[0], atol=1e-5)
+
+
+def test_a_forward_never_holds_more_than_its_budget_or_the_longest_sample():
+    import random
+
+    rng = random.Random(1)
+    lengths = [int(rng.lognormvariate(4, 1.2)) + 1 for _ in range(400)]
+    rows = hidden.pack_rows(lengths, 64)
+    forwards = hidden.plan_forwards(rows, lengths, 64, 4)
+    assert [r for f in forwards for r in f] == rows
+    for f in forwards:
+        tokens = sum(lengths[i] for r in f for i in r)
+        assert tokens <= 64 * 4 or (len(f) == 1 and len(f[0]) == 1)
+
+
+def test_samples_beyond_the_targets_window_are_refused_before_loading_it(toy_target, tmp_path):
+    from draftsmith.target_info import context_length
+
+    window = context_length(toy_target)
+    tok = write_tokenized(tmp_path / "tok", [torch.randint(1, 97, (n,))
+                                             for n in (5, window + 1, window + 7)])
+    with pytest.raises(DraftsmithError) as e:
+        hidden.run(HiddenConfig(), toy_target, tok, tmp_path / "h")
+    assert f"2 sample(s) are longer than the target's context window of {window}" in str(e.value)
+    assert "sample s2" in str(e.value) and "tokenize.max_length" in str(e.value)
+    assert not (tmp_path / "h").exists()
+
+
 def test_packed_rows_in_varlen_equal_the_masked_rows(model):
     """Online mode's rows (samples end to end, padding at the end, pos restarting per sample)
     through the varlen attention equal the same rows through SDPA's block-diagonal mask."""
@@ -130,6 +196,19 @@ def test_resume_reuses_finished_shards(model, tmp_path):
     assert m["reused_shards"] == 2 and m["shards"] == 3
     # Other inputs (different layers): nothing is reused.
     m = hidden.write_hidden(cfg, model, [1, 4, 5], tok, tmp_path / "h", "rev", 0)
+    assert m["reused_shards"] == 0
+
+
+def test_a_change_in_the_capture_code_recomputes_every_shard(model, tmp_path, monkeypatch):
+    """dvc repro reruns the stage when its code changed; the shards the earlier code wrote must
+    not come back as this run's (a capture fix would silently not apply)."""
+    tok = write_tokenized(tmp_path / "tok", [torch.randint(1, 97, (4,)) for _ in range(3)])
+    cfg = HiddenConfig(dtype="float32", shard_mb=4 * 4 * 64 * 4 / 2**20)  # a sample a shard
+    hidden.write_hidden(cfg, model, [2, 4, 5], tok, tmp_path / "h", "rev", 0)
+    m = hidden.write_hidden(cfg, model, [2, 4, 5], tok, tmp_path / "h", "rev", 0)
+    assert m["reused_shards"] == 3  # the same code and inputs: a rerun reuses them
+    monkeypatch.setattr(hidden, "code_fingerprint", lambda: "other code")
+    m = hidden.write_hidden(cfg, model, [2, 4, 5], tok, tmp_path / "h", "rev", 0)
     assert m["reused_shards"] == 0
 
 
@@ -308,14 +387,31 @@ def test_the_extraction_benchmark_runs_at_toy_size(tmp_path):
     want = ["padded_hf", "before", "packed", "packed_fp8", "packed_flex", "packed_varlen_sdpa",
             "writes", "equal"]
     subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
-                    "--kinds", *want, "--json", str(tmp_path / "r.json")], check=True,
-                   capture_output=True, timeout=600)
+                    "--mix", "60,1.2,400,12,2", "--kinds", *want, "--json",
+                    str(tmp_path / "r.json")], check=True, capture_output=True, timeout=600)
     out = json.loads((tmp_path / "r.json").read_text())
+    assert out["mix"] == {"median": 60, "sigma": 1.2, "cap": 400, "samples": 12, "seed": 2}
+    assert max(out["lengths"]) > 256  # the tail passes the toy's row_tokens
     kinds = {r["kind"]: r for r in out["results"]}
     assert set(kinds) == set(want)
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in kinds.values())
     assert kinds["packed_fp8"]["bytes_per_token"] < 0.6 * kinds["packed"]["bytes_per_token"]
     assert kinds["writes"]["gb_per_s"] > 0
+
+
+def test_the_attention_kernels_benchmark_runs_at_toy_size(tmp_path):
+    """benchmarks/varlen_attention.py keeps working between GPU runs: on the CPU, SDPA alone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "varlen_attention.py"
+    subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu", "--json",
+                    str(tmp_path / "r.json")], check=True, capture_output=True, timeout=600)
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert {r["row"] for r in results} == {"4x32", "1x128", "tail"}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in results)
 
 
 def test_shards_written_from_tensor_memory_are_standard_safetensors(tmp_path):

@@ -60,10 +60,34 @@ def test_softcapped_attention_is_refused_with_the_setting_that_works():
         pa.attention(torch.nn.Identity(), q, k, v, None, softcap=50.0)
 
 
+@pytest.mark.parametrize("lengths", [[9, 2, 3, 12, 1, 4, 8], [3, 1], [8, 9]])
+def test_split_runs_long_samples_alone_and_the_rest_in_runs(lengths, monkeypatch):
+    """`split` on the CPU, its flash calls standing in as per-sample SDPA: the row is cut right
+    (long samples alone, each run of short ones with its own offsets) and put back in order."""
+    monkeypatch.setattr(pa, "LONG_TOKENS", 8)
+    calls = []
+
+    def flash_stand_in(q, k, v, docs, scale, window):
+        calls.append(docs.lengths)
+        assert docs.cu.tolist() == [0, *torch.tensor(docs.lengths).cumsum(0).tolist()]
+        return pa._sdpa_per_sample(q, k, v, docs, scale, window)
+
+    monkeypatch.setattr(pa, "_flash", flash_stand_in)
+    monkeypatch.setattr(pa, "KERNEL", "split")
+    q, k, v = inputs(lengths, dv=8)
+    with pa.documents(lengths, "cpu"):
+        out = pa.attention(None, q, k, v, None, scaling=0.3)[0]
+    torch.testing.assert_close(out[0].double(), dense_reference(q, k, v, lengths, 0.3),
+                               atol=1e-5, rtol=1e-5)
+    short_runs = {(9, 2, 3, 12, 1, 4, 8): [(2, 3), (1, 4)], (3, 1): [(3, 1)], (8, 9): []}
+    assert calls == short_runs[tuple(lengths)]
+
+
 @cuda
-@pytest.mark.parametrize("lengths", [[2048], [700, 1, 33, 1290, 129], [64] * 40])
+@pytest.mark.parametrize("lengths", [[2048], [700, 1, 33, 1290, 129], [64] * 40,
+                                     [3000, 5, 700, 2048, 64, 64]])
 @pytest.mark.parametrize("dv", [128, 64])
-@pytest.mark.parametrize("kernel", ["flash", "varlen"])
+@pytest.mark.parametrize("kernel", ["flash", "varlen", "split"])
 def test_gpu_varlen_kernel_equals_per_sample_sdpa(kernel, lengths, dv, monkeypatch):
     q, k, v = inputs(lengths, hq=32, hkv=8, d=128, dv=dv, dtype=torch.bfloat16, device="cuda")
     outs = {}

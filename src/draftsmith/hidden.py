@@ -57,6 +57,39 @@ def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
     return first_fit(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, row_tokens)
 
 
+def plan_forwards(rows: list[list[int]], lengths: list[int], row_tokens: int,
+                  batch_rows: int) -> list[list[list[int]]]:
+    """Rows into forward passes of up to batch_rows rows. A row longer than row_tokens (one
+    sample longer than a row) is a forward of its own: beside it, padded rows would all be
+    padded to its length, and even a flat row would hold batch_rows rows' activations on top
+    of the longest sample's. So a forward holds at most max(row_tokens x batch_rows, the
+    longest sample) tokens."""
+    forwards: list[list[list[int]]] = []
+    filling: list[list[int]] | None = None  # the forward taking rows, in order
+    for row in rows:
+        if sum(lengths[i] for i in row) > row_tokens:
+            forwards.append([row])
+            filling = None
+            continue
+        if filling is None or len(filling) == batch_rows:
+            filling = []
+            forwards.append(filling)
+        filling.append(row)
+    return forwards
+
+
+def check_window(lengths: dict, window: int | None) -> None:
+    """Samples longer than the target's context window are refused before any work: the target
+    was never run at those positions, so their states would be what a drafter learns from."""
+    long = {s: n for s, n in lengths.items() if window and n > window}
+    if long:
+        sid, n = max(long.items(), key=lambda kv: kv[1])
+        raise DraftsmithError(
+            f"{len(long)} sample(s) are longer than the target's context window of {window} "
+            f"tokens (the longest: sample {sid}, {n} tokens)",
+            f"set tokenize.max_length to at most {window} and rerun tokenize")
+
+
 def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int) -> list[range]:
     """Consecutive samples into shards of at most shard_bytes (at least one sample each)."""
     shards, start, size = [], 0, 0
@@ -118,8 +151,7 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
     rows = pack_rows(lengths, cfg.row_tokens)
     host = _HostShard(sum(lengths), len(layers), H, cfg, device)
     at = 0
-    for b in range(0, len(rows), cfg.batch_rows):
-        batch = rows[b:b + cfg.batch_rows]
+    for batch in plan_forwards(rows, lengths, cfg.row_tokens, cfg.batch_rows):
         if is_varlen(model):  # the rows' samples as one flat row: nothing padded
             aux, fin = capture_flat(model, [samples[i][1] for row in batch for i in row], layers)
             host.put(at, aux, fin)
@@ -206,7 +238,23 @@ def _digest(path: Path) -> dict:
 def _resume_key(tokenized_dir: Path, cfg: HiddenConfig, layers: list[int], target_rev: str) -> str:
     h = hashlib.sha256((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_bytes())
     h.update(json.dumps([layers, cfg.dtype, cfg.shard_mb, cfg.row_tokens, target_rev,
-                         cfg.engine]).encode())
+                         cfg.engine, code_fingerprint()]).encode())
+    return h.hexdigest()[:16]
+
+
+def code_fingerprint() -> str:
+    """What computes the states: this module, the capture and attention code, torch's and
+    transformers' versions. A rerun after any of them changed (a fix in the capture, an
+    upgrade) recomputes every shard instead of reusing those of the earlier run."""
+    import sys
+
+    import transformers
+
+    from draftsmith import capture, hidden_format, packed_attention
+
+    h = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for module in (sys.modules[__name__], capture, packed_attention, hidden_format):
+        h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -216,7 +264,8 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
     hidden.engine: vllm a vLLM server runs the target (`server`: launched, its log and files
     in work_dir, or server.urls)."""
     from draftsmith.dist import world
-    from draftsmith.target_info import default_device, load_model, load_tokenizer, read_info
+    from draftsmith.target_info import (context_length, default_device, load_model,
+                                        load_tokenizer, read_info)
 
     w = world()
     info = read_info(target_dir)
@@ -233,6 +282,8 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
             "hidden.device_map: auto spreads one target over all visible GPUs, so it runs as "
             f"one process, not {w.size}", "set distributed.nproc_per_node: 1 for a target "
             "larger than one GPU, or hidden.device_map: null for one target copy per GPU")
+    check_window({s[0]: len(s[1]) for s in iter_samples(tokenized_dir)},
+                 context_length(target_dir))
     model = load_model(target_dir, device=str(w.device(default_device())),
                        device_map=cfg.device_map)
     set_attention(model, cfg.attention)
@@ -282,9 +333,7 @@ def write_hidden_served(cfg: HiddenConfig, server: ServerConfig, target_dir: Pat
     engine.check_capture(config.model_type, layers)
     samples = list(iter_samples(tokenized_dir))
     lengths = {s[0]: len(s[1]) for s in samples}
-    window = context_length(target_dir)
-    if window:  # before starting a server: the engine's max_model_len is at most this
-        engine.check_lengths(lengths, window, "the target")
+    check_window(lengths, context_length(target_dir))  # before starting a server
     states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
     with engine.served_capture(server, target_dir, work_dir, states) as client:
         engine.check_lengths(lengths, client.max_model_len, "the server")

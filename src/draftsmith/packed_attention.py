@@ -7,6 +7,12 @@ transformers' attention interface runs packed: the hidden stage sets it on the t
 the model inside `documents(lengths)`, which says where each sample starts.
 
 The kernel, by device (`KERNEL`):
+- CUDA (`split`): samples of at least `LONG_TOKENS` through SDPA one at a time, and each run
+  of shorter samples between them through `flash` below. On an H200 (torch 2.11, 32/8 heads of
+  128) the varlen flash forward stays at 0.44 of the bf16 matmul rate however long a sample
+  is, while SDPA on one sample (cuDNN's kernel) reaches 0.74-0.76 from 8K tokens on (0.46 at
+  2K against flash's 0.37; at 1K half flash's speed): a long-tailed mix spends most of its
+  attention FLOPs there (benchmarks/varlen_attention.py, benchmarks/results/README.md).
 - CUDA (`flash`): torch's flash attention forward with cumulative sequence offsets
   (`aten::_flash_attention_forward`, which `varlen_attn` wraps), called directly: one call per
   layer for the whole row, fully masked blocks never computed, nothing padded, the KV heads of
@@ -33,14 +39,18 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 
 NAME = "draftsmith_varlen"
-KERNEL = "auto"  # auto (flash on CUDA, SDPA per sample elsewhere) | flash | varlen | sdpa
+KERNEL = "auto"  # auto (split on CUDA, SDPA per sample elsewhere) | split | flash | varlen | sdpa
+LONG_TOKENS = 2048  # split: samples at least this long go through SDPA alone
 
 
 @dataclass(frozen=True)
 class _Documents:
     lengths: tuple[int, ...]
-    cu: torch.Tensor  # (n + 1,) int32 on the device: where each sample starts
+    cu: torch.Tensor | None  # (n + 1,) int32 on the device: where each sample starts
     longest: int
+    # `split`: the row cut into (start, stop, the run of short samples there, or None for one
+    # long sample), planned once per forward so no layer waits on a host-to-device copy.
+    parts: tuple = ()
 
 
 _CURRENT: contextvars.ContextVar[_Documents | None] = contextvars.ContextVar(
@@ -52,11 +62,41 @@ def documents(lengths: list[int], device):
     """Inside this block, a forward pass of a model set to `NAME` reads its flat row (1, sum
     of lengths) as these samples, in order."""
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(device)
-    token = _CURRENT.set(_Documents(tuple(lengths), cu, max(lengths)))
+    token = _CURRENT.set(_Documents(tuple(lengths), cu, max(lengths),
+                                    _split_parts(lengths, device)))
     try:
         yield
     finally:
         _CURRENT.reset(token)
+
+
+def _split_parts(lengths: list[int], device) -> tuple:
+    """The row as `split` runs it: each sample of LONG_TOKENS or more alone, each run of
+    shorter ones between them together (their offsets copied to the device in one go)."""
+    if max(lengths) < LONG_TOKENS:
+        return ()
+    runs, at, run = [], 0, []  # runs: (start, stop, lengths) in row order
+    for n in lengths:
+        if n >= LONG_TOKENS:
+            if run:
+                runs.append((at - sum(run), at, tuple(run)))
+                run = []
+            runs.append((at, at + n, None))
+        else:
+            run.append(n)
+        at += n
+    if run:
+        runs.append((at - sum(run), at, tuple(run)))
+    offsets = [c for _, _, r in runs if r for c in (0, *itertools.accumulate(r))]
+    cu = torch.tensor(offsets or [0], dtype=torch.int32).to(device)
+    parts, k = [], 0
+    for start, stop, r in runs:
+        if r is None:
+            parts.append((start, stop, _Documents((stop - start,), None, stop - start)))
+            continue
+        parts.append((start, stop, _Documents(r, cu[k:k + len(r) + 1], max(r))))
+        k += len(r) + 1
+    return tuple(parts)
 
 
 def varlen_available(device, dtype) -> bool:
@@ -92,8 +132,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             "varlen attention does not do", "set hidden.attention: flex_attention")
     kernel = KERNEL
     if kernel == "auto":
-        kernel = "flash" if varlen_available(query.device, query.dtype) else "sdpa"
-    run = {"flash": _flash, "varlen": _varlen, "sdpa": _sdpa_per_sample}[kernel]
+        kernel = "split" if varlen_available(query.device, query.dtype) else "sdpa"
+    run = {"split": _split, "flash": _flash, "varlen": _varlen,
+           "sdpa": _sdpa_per_sample}[kernel]
     out = run(query[0], key[0], value[0], docs, scaling, sliding_window)  # (T, Hq, Dv)
     return out.unsqueeze(0), None
 
@@ -156,6 +197,21 @@ def _varlen(q, k, v, docs: _Documents, scale, window):
     return out[..., :dv]
 
 
+def _split(q, k, v, docs: _Documents, scale, window):
+    """q: (Hq, T, D), k/v: (Hkv, T, D[v]) -> (T, Hq, Dv): samples of LONG_TOKENS or more
+    through SDPA alone (its kernel is faster on long causal sequences), each run of shorter
+    ones between them through one flash call on that slice of the row."""
+    if not docs.parts:
+        return _flash(q, k, v, docs, scale, window)
+    out = q.new_empty(q.shape[1], q.shape[0], v.shape[-1])
+    for start, stop, part in docs.parts:
+        s = slice(start, stop)
+        alone = part.cu is None
+        out[s] = (_sdpa_per_sample if alone else _flash)(q[:, s], k[:, s], v[:, s], part,
+                                                         scale, window)
+    return out
+
+
 def _sdpa_per_sample(q, k, v, docs: _Documents, scale, window):
     """q: (Hq, T, D), k/v: (Hkv, T, D[v]) -> (T, Hq, Dv), one SDPA call per sample."""
     out = q.new_empty(q.shape[1], q.shape[0], v.shape[-1])
@@ -166,10 +222,11 @@ def _sdpa_per_sample(q, k, v, docs: _Documents, scale, window):
         if window is not None and n > window:  # sliding window: key within `window` behind
             i = torch.arange(n, device=q.device)
             mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
-        o = F.scaled_dot_product_attention(q[:, s], k[:, s], v[:, s], attn_mask=mask,
-                                           is_causal=mask is None, scale=scale,
+        # batched (1, H, n, D): the layout SDPA's fused GPU kernels take
+        o = F.scaled_dot_product_attention(q[None, :, s], k[None, :, s], v[None, :, s],
+                                           attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=k.shape[0] != q.shape[0])
-        out[s] = o.transpose(0, 1)
+        out[s] = o[0].transpose(0, 1)
         at += n
     return out
 
