@@ -37,3 +37,16 @@ def iter_samples(tokenized_dir: Path):
         cu = t["cu_seqlens"].tolist()
         for k, sid in enumerate(shard["ids"]):
             yield sid, t["input_ids"][cu[k]:cu[k + 1]].long(), t["loss_mask"][cu[k]:cu[k + 1]].bool()
+
+
+def sample_lengths(tokenized_dir: Path) -> dict[str, int]:
+    """{sample_id: tokens} of a tokenized artifact, from its offsets alone (no ids read)."""
+    from safetensors import safe_open
+
+    manifest = read_manifest(Path(tokenized_dir) / TOKENIZED_MANIFEST, "tokenize")
+    out = {}
+    for shard in manifest["shards"]:
+        with safe_open(Path(tokenized_dir) / shard["file"], "pt") as f:
+            cu = f.get_tensor("cu_seqlens").tolist()
+        out.update({sid: cu[k + 1] - cu[k] for k, sid in enumerate(shard["ids"])})
+    return out

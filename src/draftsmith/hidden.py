@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.artifacts import TOKENIZED_MANIFEST, iter_samples
+from draftsmith.artifacts import TOKENIZED_MANIFEST, iter_samples, sample_lengths
 from draftsmith.atomic import file_sha256, write_json
 from draftsmith.capture import capture_flat, capture_rows, is_varlen, set_attention
 from draftsmith.config import HiddenConfig, ServerConfig, check_aux_layers
@@ -272,18 +272,18 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
     layers = check_aux_layers(cfg, info.num_layers)  # before loading anything big
     if cfg.mode == "online":
         return write_online_manifest(layers, info.hidden_size, out_dir) if w.main else {}
+    lengths = sample_lengths(tokenized_dir)
+    check_window(lengths, context_length(target_dir))  # before loading or serving the target
     if cfg.engine == "vllm":
         out_dir = Path(out_dir)
         return write_hidden_served(cfg, server or ServerConfig(), target_dir, tokenized_dir,
                                    out_dir, work_dir or out_dir.with_name(out_dir.name + ".work"),
-                                   layers)
+                                   layers, lengths, info.revision or "")
     if cfg.device_map and w.size > 1:
         raise DraftsmithError(
             "hidden.device_map: auto spreads one target over all visible GPUs, so it runs as "
             f"one process, not {w.size}", "set distributed.nproc_per_node: 1 for a target "
             "larger than one GPU, or hidden.device_map: null for one target copy per GPU")
-    check_window({s[0]: len(s[1]) for s in iter_samples(tokenized_dir)},
-                 context_length(target_dir))
     model = load_model(target_dir, device=str(w.device(default_device())),
                        device_map=cfg.device_map)
     set_attention(model, cfg.attention)
@@ -321,25 +321,22 @@ def _stored_order(group: list, row_tokens: int) -> list:
 
 
 def write_hidden_served(cfg: HiddenConfig, server: ServerConfig, target_dir: Path,
-                        tokenized_dir: Path, out_dir: Path, work_dir: Path,
-                        layers: list[int]) -> dict:
+                        tokenized_dir: Path, out_dir: Path, work_dir: Path, layers: list[int],
+                        lengths: dict[str, int], target_revision: str) -> dict:
     """hidden.engine: vllm: the same artifact as write_hidden's, the states from vLLM's capture
     (serving/hidden_states.py). The engine spreads the target itself (tensor/expert parallel):
     this is one process, which only sends requests and writes shards."""
     from draftsmith.serving import hidden_states as engine
-    from draftsmith.target_info import context_length, load_final_norm, read_info
+    from draftsmith.target_info import load_final_norm
 
     norm, config = load_final_norm(target_dir)
     engine.check_capture(config.model_type, layers)
-    samples = list(iter_samples(tokenized_dir))
-    lengths = {s[0]: len(s[1]) for s in samples}
-    check_window(lengths, context_length(target_dir))  # before starting a server
     states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
     with engine.served_capture(server, target_dir, work_dir, states) as client:
         engine.check_lengths(lengths, client.max_model_len, "the server")
         return _write_shards(
             cfg, lambda group: _served_shard(client, group, len(layers), config.hidden_size, cfg),
-            config.hidden_size, layers, tokenized_dir, out_dir, read_info(target_dir).revision or "")
+            config.hidden_size, layers, tokenized_dir, out_dir, target_revision)
 
 
 def write_hidden(cfg: HiddenConfig, model, layers: list[int], tokenized_dir: Path, out_dir: Path,

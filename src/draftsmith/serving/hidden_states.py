@@ -45,7 +45,7 @@ class EngineStates:
     def __init__(self, aux_layers: list[int], num_layers: int, norm: torch.Tensor,
                  eps: float):
         self.aux_layers, self.num_layers = list(aux_layers), num_layers
-        self.ids = sorted(set(aux_layers)) + [num_layers]  # as the engine orders its columns
+        self.ids = capture_ids(aux_layers, num_layers)
         self.columns = [self.ids.index(k) for k in aux_layers]
         self.norm, self.eps = norm.float(), eps
 
@@ -156,9 +156,14 @@ class HiddenStatesClient:
         self.client.close()
 
 
+def capture_ids(aux_layers: list[int], num_layers: int) -> list[int]:
+    """The layer ids the engine captures, in the order of its columns: the aux ids ascending,
+    then the last layer's output (id L), which the final norm turns into the final state."""
+    return sorted(set(aux_layers)) + [num_layers]
+
+
 def capture_argv(aux_layers: list[int], num_layers: int, storage: Path) -> list[str]:
-    return ENGINES["vllm"].capture_args(EngineStates(aux_layers, num_layers, torch.ones(1), 0).ids,
-                                        storage)
+    return ENGINES["vllm"].capture_args(capture_ids(aux_layers, num_layers), storage)
 
 
 _NO_CAPTURE = re.compile(r"extract_hidden_states|ExampleHiddenStatesConnector")
