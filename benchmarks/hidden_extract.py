@@ -34,8 +34,11 @@ or `--mix MEDIAN,SIGMA,CAP,SAMPLES,SEED`. Aux layers as vLLM's default (2, L//2,
   runs, off the clock (the stage removes nothing), and that removal is timed apart
   (removed_s: the last run's). drain_s: the end of a packed run's time, spent waiting for its
   writers after the last shard's states were in host memory.
-- equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies: the ceiling an
-  extraction can reach on this model, measured here.
+- equal: 8 x 2048 equal-length rows, one document each, no hooks, no copies, the norms, MLPs and
+  rotary fused as in the stage (fused_forward): the ceiling an extraction can reach on this
+  model, measured here. equal_hf: the same as transformers runs it (nothing fused).
+- The packed kinds run the stage's forward, fused as the stage fuses it; padded_hf and before
+  run transformers' forward as the scripts they stand for did.
 
 MFU: (2 x non-embedding parameters + causal attention within each sample) per token over the
 bf16 matmul rate measured in the same run.
@@ -44,6 +47,8 @@ bf16 matmul rate measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import random
@@ -52,6 +57,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from draftsmith.fused_forward import fused
 
 from _common import (HIDDEN_PRESETS as PRESETS, length_mix, make_target, matmul_ceiling,
                      run_info, save_results, write_tokenized)
@@ -146,7 +153,7 @@ def packed(model, p, tok_dir, dtype, attention, work: Path, writer: str = "stage
                            attention=attention)
         with mock.patch.object(hidden, "_save", save), \
                 mock.patch.object(hidden, "_write_shard", write_shard), \
-                mock.patch.object(packed_attention, "KERNEL", kernel):
+                mock.patch.object(packed_attention, "KERNEL", kernel), fused(model):
             result = hidden.write_hidden(cfg, model, p["layers"], tok_dir, out, "bench", 0)
         return {**result, "gpu_done_at": max(copied)}
     finally:
@@ -186,10 +193,11 @@ def _save_file_then_hash(tensors, path):
 
 
 @torch.no_grad()
-def equal(model, p, rows=8, T=2048):
+def equal(model, p, rows=8, T=2048, fuse=True):
     T = min(T, p["cap"])
     ids = torch.randint(0, model.config.vocab_size, (rows, T), device=model.device)
-    model.model(input_ids=ids, use_cache=False)
+    with fused(model) if fuse else contextlib.nullcontext():
+        model.model(input_ids=ids, use_cache=False)
     return rows * T, [T] * rows
 
 
@@ -256,7 +264,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kinds", nargs="*",
                     default=["padded_hf", "before", "packed", "packed_fp8", "packed_flex",
-                             "equal"])
+                             "equal", "equal_hf"])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--work", type=Path, help="where the packed runs write their shards "
                     "(default: a temp dir; /dev/shm keeps the disk out of the figure)")
@@ -315,8 +323,8 @@ def main(argv=None):
                                                       Path(tmp), "save_file")),
         }
         for kind in args.kinds:
-            if kind == "equal":
-                fn = lambda: equal(model, p)  # noqa: E731
+            if kind.startswith("equal"):
+                fn = functools.partial(equal, model, p, fuse=kind == "equal")
             else:
                 fn = runs[kind]
             try:
@@ -341,8 +349,8 @@ def main(argv=None):
                 print(json.dumps(r), flush=True)
                 continue
             seconds /= p["repeats"]
-            mix = out[1] if kind == "equal" else lengths
-            n = out[0] if kind == "equal" else sum(lengths)
+            mix = out[1] if kind.startswith("equal") else lengths
+            n = out[0] if kind.startswith("equal") else sum(lengths)
             r = {"kind": kind, "status": "ok", "tokens": n, "tokens_per_s": round(n / seconds, 1)}
             if kind.startswith("packed"):
                 r["bytes_per_token"] = out[1]["bytes_per_token"]
@@ -374,7 +382,9 @@ def main(argv=None):
     for r in results:
         if base and r["status"] == "ok":
             r["vs_padded_hf"] = round(r["tokens_per_s"] / base, 2)
-    out = {**run_info(device, ceiling), "preset": args.preset,
+    with fused(model) as swapped:  # what the stage's forward swaps on this device
+        pass
+    out = {**run_info(device, ceiling), "preset": args.preset, "fused": swapped,
            "mix": {k: p.get(k) for k in ("median", "sigma", "cap", "samples", "seed")},
            "row_tokens": p["row_tokens"], "batch_rows": p["batch_rows"],
            "work_dir": str(args.work or tempfile.gettempdir()), "lengths": lengths,

@@ -385,7 +385,7 @@ def test_the_extraction_benchmark_runs_at_toy_size(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "hidden_extract.py"
     want = ["padded_hf", "before", "packed", "packed_fp8", "packed_flex", "packed_varlen_sdpa",
-            "writes", "equal"]
+            "writes", "equal", "equal_hf"]
     subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
                     "--mix", "60,1.2,400,12,2", "--kinds", *want, "--json",
                     str(tmp_path / "r.json")], check=True, capture_output=True, timeout=600)

@@ -36,6 +36,7 @@ from draftsmith.atomic import file_sha256, write_json
 from draftsmith.capture import capture_flat, capture_rows, is_varlen, set_attention
 from draftsmith.config import HiddenConfig, ServerConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
+from draftsmith.fused_forward import fused
 from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, empty_states, encode,
                                       offline_manifest, online_manifest, shard_entry, shard_file,
                                       token_bytes)
@@ -243,17 +244,17 @@ def _resume_key(tokenized_dir: Path, cfg: HiddenConfig, layers: list[int], targe
 
 
 def code_fingerprint() -> str:
-    """What computes the states: this module, the capture and attention code, torch's and
-    transformers' versions. A rerun after any of them changed (a fix in the capture, an
+    """What computes the states: this module, the capture, attention and fusion code, torch's
+    and transformers' versions. A rerun after any of them changed (a fix in the capture, an
     upgrade) recomputes every shard instead of reusing those of the earlier run."""
     import sys
 
     import transformers
 
-    from draftsmith import capture, hidden_format, packed_attention
+    from draftsmith import capture, fused_forward, hidden_format, packed_attention
 
     h = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
-    for module in (sys.modules[__name__], capture, packed_attention, hidden_format):
+    for module in (sys.modules[__name__], capture, packed_attention, fused_forward, hidden_format):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:16]
 
@@ -288,8 +289,9 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
                        device_map=cfg.device_map)
     set_attention(model, cfg.attention)
     pad_id = load_tokenizer(target_dir).pad_token_id or 0
-    return write_hidden(cfg, model, layers, tokenized_dir, out_dir, info.revision or "", pad_id,
-                        w)
+    with fused(model):  # norms, SiLU-MLPs, rotary as single kernels (a GPU with Triton)
+        return write_hidden(cfg, model, layers, tokenized_dir, out_dir, info.revision or "",
+                            pad_id, w)
 
 
 def write_online_manifest(layers: list[int], hidden_size: int, out_dir: Path) -> dict:
