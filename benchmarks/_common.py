@@ -53,18 +53,31 @@ def matmul_ceiling(device):
 TRAIN_PRESETS = {
     "8b": dict(H=4096, nh=32, nkv=8, hd=128, I=14336, V=128256, Vd=32000, steps=7,
                lengths=[2048, 8192, 16384, 32768], tokens_per_step=8192, iters=8),
+    # Kimi-K2.5's text model (DeepSeek-V3 shape): both drafter layers the train stage builds
+    # for it (train.loop.drafter_config): `llama` 64 heads of 64 (its config's head_dim and
+    # KV heads), `mla` its own MLA widths; its dense MLP width.
+    "kimi-k2": dict(H=7168, nh=64, nkv=64, hd=64, I=18432, V=163840, Vd=32000, steps=7,
+                    lengths=[8192, 16384], tokens_per_step=8192, iters=4,
+                    mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128)),
     "toy": dict(H=64, nh=4, nkv=2, hd=16, I=128, V=512, Vd=128, steps=3,
-                lengths=[64, 128], tokens_per_step=256, iters=2),
+                lengths=[64, 128], tokens_per_step=256, iters=2,
+                mla=dict(q_lora_rank=32, kv_lora_rank=48, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16)),
 }
 
 
-def make_drafter(p, device):
+def make_drafter(p, device, arch: str = "llama"):
     from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 
     torch.manual_seed(0)
+    mla = dict(arch="mla", **p["mla"]) if arch == "mla" else {}
     c = DrafterConfig(hidden_size=p["H"], target_hidden_size=p["H"], num_heads=p["nh"],
-                      num_kv_heads=p["nkv"], head_dim=p["hd"], intermediate_size=p["I"],
-                      vocab_size=p["V"], draft_vocab_size=p["Vd"], aux_layers=(2, 16, 29))
+                      num_kv_heads=p["nh"] if mla else p["nkv"],
+                      head_dim=p["mla"]["qk_nope_head_dim"] + p["mla"]["qk_rope_head_dim"]
+                      if mla else p["hd"],
+                      intermediate_size=p["I"], vocab_size=p["V"], draft_vocab_size=p["Vd"],
+                      aux_layers=(2, 16, 29), **mla)
     m = Eagle3Drafter(c)
     for prm in m.parameters():
         torch.nn.init.normal_(prm, std=0.02)

@@ -2,10 +2,14 @@
 baseline, side by side in one run.
 
     python benchmarks/train_ttt.py --json benchmarks/results/train_ttt_h200.json   # GPU, 8B shape
+    python benchmarks/train_ttt.py --preset kimi-k2 --archs llama mla --kinds fast  # both layers
     python benchmarks/train_ttt.py --preset toy --device cpu                      # CPU, seconds
 
 Shape (preset `8b`): Llama-3.1-8B (H 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128,256),
-draft vocab 32,000, 7 TTT steps, random weights (speed does not depend on the values). Each row
+draft vocab 32,000, 7 TTT steps, random weights (speed does not depend on the values);
+`kimi-k2`: Kimi-K2.5's text model (H 7168, vocab 163,840, MLP 18,432), the drafter layer as
+the train stage builds it for that target, `--archs llama` (64 heads of 64) and/or `mla` (its
+MLA: 64 heads, q latent 1,536, kv latent 512, q/k heads 128 + 64 rope, values 128). Each row
 is one document of T tokens (full causal attention: no help from packing's block sparsity), and
 a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
 
@@ -55,14 +59,15 @@ def naive_loss(m, batch, steps):
     return total
 
 
-def run_case(kind, p, T, device, iters, profile: Path | None = None):
+def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str = "llama"):
     from draftsmith.config import TrainConfig
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer
     from draftsmith.train.loss import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
-    m = make_drafter(p, device)
+    m = make_drafter(p, device, arch)
+    flops = flops_per_token(m, p, T)
     if kind == "naive_bf16":
         m = m.to(torch.bfloat16)
     batch = make_batch(p, T, rows, device)
@@ -108,13 +113,15 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None):
         sync()
         seconds = (time.perf_counter() - t0) / iters
         if profile is not None:
-            write_profile(step, sync, device, profile / f"profile_{kind}_T{T}.txt")
+            name = kind if arch == "llama" else f"{kind}_{arch}"
+            write_profile(step, sync, device, profile / f"profile_{name}_T{T}.txt")
     except torch.OutOfMemoryError:
-        return {"kind": kind, "T": T, "rows": rows, "status": "out of memory"}
+        return {"kind": kind, "arch": arch, "T": T, "rows": rows, "status": "out of memory"}
     finally:
         del m, opt, trainer
-    out = {"kind": kind, "T": T, "rows": rows, "status": "ok",
-           "tokens_per_s": round(rows * T / seconds, 1), "step_ms": round(seconds * 1e3, 2)}
+    out = {"kind": kind, "arch": arch, "T": T, "rows": rows, "status": "ok",
+           "tokens_per_s": round(rows * T / seconds, 1), "step_ms": round(seconds * 1e3, 2),
+           "flops_per_token": flops}
     if device.type == "cuda":
         out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         torch.cuda.empty_cache()
@@ -135,12 +142,17 @@ def write_profile(step, sync, device, path: Path, steps: int = 2) -> None:
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
-def flops_per_token(p, T):
-    H, I, nh, nkv, hd, Vd = p["H"], p["I"], p["nh"], p["nkv"], p["hd"], p["Vd"]
-    layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * Vd
-    attn = 2 * 2 * nh * hd * T / 2  # causal scores + weighted values, forward
+def flops_per_token(m, p, T):
+    """The drafter's own matmuls (its layer and lm_head every step, fc once), counted from its
+    weights, so Llama's and MLA's layers are counted alike."""
+    c = m.config
+    layer = sum(w.numel() for name, w in m.midlayer.named_parameters() if w.dim() == 2) \
+        + m.lm_head.weight.numel()
+    qk, v = ((c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim) if c.arch == "mla"
+             else (c.head_dim, c.head_dim))
+    attn = 2 * c.num_heads * (qk + v) * T / 2  # causal scores + weighted values, forward
     per_step = 6 * layer + 3 * attn
-    return p["steps"] * per_step + 6 * 3 * H * H + 2 * H * p["V"]
+    return p["steps"] * per_step + 6 * m.fc.weight.numel() + 2 * p["H"] * p["V"]
 
 
 def kernel_ratio(device, p):
@@ -175,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--lengths", type=int, nargs="*", help="context lengths T to run")
     ap.add_argument("--kinds", nargs="*", default=["naive", "reference", "fast"])
+    ap.add_argument("--archs", nargs="*", default=["llama"], choices=["llama", "mla"],
+                    help="drafter layers to run side by side (mla: the preset's MLA widths)")
     ap.add_argument("--iters", type=int)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--profile", type=Path, help="also write each case's operator profile here")
@@ -184,17 +198,18 @@ def main(argv=None):
     ceiling = matmul_ceiling(device)
     results = []
     for T in args.lengths or p["lengths"]:
-        for kind in args.kinds:
-            r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile)
-            if r["status"] == "ok" and ceiling:
-                r["mfu"] = round(r["tokens_per_s"] * flops_per_token(p, T) / ceiling, 3)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+        for arch in args.archs:
+            for kind in args.kinds:
+                r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile, arch)
+                if r["status"] == "ok" and ceiling:
+                    r["mfu"] = round(r["tokens_per_s"] * r["flops_per_token"] / ceiling, 3)
+                results.append(r)
+                print(json.dumps(r), flush=True)
     out = {**run_info(device, ceiling), "preset": args.preset, "shape": p, "results": results,
            "soft_ce_kernel": kernel_ratio(device, p)}
-    print(f"\n{'T':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} {'mfu':>6}")
+    print(f"\n{'T':>6} {'arch':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} {'mfu':>6}")
     for r in results:
-        print(f"{r['T']:>6} {r['kind']:>10} {r.get('tokens_per_s', r['status']):>10} "
+        print(f"{r['T']:>6} {r['arch']:>6} {r['kind']:>10} {r.get('tokens_per_s', r['status']):>10} "
               f"{r.get('peak_memory_gb', '-'):>8} {r.get('mfu', '-'):>6}")
     print("soft-CE kernel:", out["soft_ce_kernel"])
     save_results(args.json, out)

@@ -6,21 +6,26 @@ import torch
 from draftsmith.drafter import DrafterConfig, Eagle3Drafter, ttt_attention
 
 
-def drafter(nh=4, nkv=2, seed=0):
+MLA = dict(arch="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+           v_head_dim=5)  # every width different, so a mixed-up split shows
+
+
+def drafter(nh=4, nkv=2, seed=0, **mla):
     torch.manual_seed(seed)
-    c = DrafterConfig(hidden_size=32, target_hidden_size=24, num_heads=nh, num_kv_heads=nkv,
-                      head_dim=8, intermediate_size=64, vocab_size=50, draft_vocab_size=20,
-                      aux_layers=(2, 4, 5))
+    c = DrafterConfig(hidden_size=32, target_hidden_size=24, num_heads=nh,
+                      num_kv_heads=nh if mla else nkv, head_dim=8, intermediate_size=64,
+                      vocab_size=50, draft_vocab_size=20, aux_layers=(2, 4, 5), **mla)
     m = Eagle3Drafter(c).double()
     for p in m.parameters():  # far from the identity-ish init, so errors would show
         torch.nn.init.normal_(p, std=0.3)
     return m
 
 
-@pytest.mark.parametrize("nh, nkv", [(4, 2), (4, 4), (2, 1)])
+@pytest.mark.parametrize("nh, nkv, mla", [(4, 2, {}), (4, 4, {}), (2, 1, {}), (4, 4, MLA),
+                                          (3, 3, {**MLA, "q_lora_rank": None})])
 @pytest.mark.parametrize("steps", [1, 3, 7])
-def test_ttt_matches_inference_chain(nh, nkv, steps):
-    m = drafter(nh, nkv)
+def test_ttt_matches_inference_chain(nh, nkv, mla, steps):
+    m = drafter(nh, nkv, **mla)
     T = 9
     aux = torch.randn(1, T, 72, dtype=torch.double)
     ids = torch.randint(0, 50, (1, T + steps))
@@ -66,3 +71,17 @@ def test_padding_does_not_leak_into_real_positions():
         # Chain t attends to step-0 keys at s <= t only: padding after 4 cannot reach t < 4.
         for t in range(4):
             torch.testing.assert_close(padded[j][1, t], alone[j][0, t], rtol=0, atol=1e-10)
+
+
+def test_mla_rotary_turns_adjacent_pairs():
+    """DeepSeek's rope (vLLM: is_neox_style=False): pair i is (x[2i], x[2i+1]), turned by
+    pos * theta^(-2i/d) as a complex number, unlike Llama's halves (x[i], x[i + d/2])."""
+    from draftsmith.drafter import rotate, rotate_pairs
+
+    x = torch.randn(2, 3, 5, 8, dtype=torch.double)
+    pos = torch.arange(5) + 7
+    inv = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.double) / 8)
+    turn = torch.polar(torch.ones(5, 4, dtype=torch.double), pos[:, None].double() * inv)
+    want = torch.view_as_real(torch.view_as_complex(x.view(2, 3, 5, 4, 2)) * turn).flatten(-2)
+    torch.testing.assert_close(rotate_pairs(x, pos, 10000.0), want, rtol=0, atol=1e-6)
+    assert not torch.allclose(rotate(x, pos, 10000.0), want, atol=1e-3)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from toys import TINY_TARGET
 from draftsmith import capture, export, hidden, hidden_format, train, vocab
 from draftsmith.atomic import write_json
+from draftsmith.errors import DraftsmithError
 from draftsmith.config import (EmbeddedTargetConfig, ExportConfig, HiddenConfig, TargetConfig,
                                TrainConfig, VocabConfig)
 from draftsmith.target import resolve
@@ -75,8 +76,6 @@ def test_a_target_transformers_cannot_run_as_a_causal_lm_is_refused_at_the_targe
         deepseek_dir, tmp_path):
     """Before any generation: not at the hidden stage, hours later."""
     from transformers import ViTConfig, ViTModel
-
-    from draftsmith.errors import DraftsmithError
 
     encoder = tmp_path / "vision-encoder"
     ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -159,3 +158,42 @@ def test_kimi_k25_layout_goes_through_target_hidden_train_and_export(deepseek_di
     assert c["target_hidden_size"] == text_config["hidden_size"]
     assert c["eagle_aux_hidden_state_layer_ids"] == [2, L // 2, L - 3]
     assert c["draftsmith"]["target"]["model"] == str(kimi)
+
+    # The MLA drafter on the same states: vLLM's deepseek_eagle3 layout, the target's widths.
+    train.run(TrainConfig(steps=3, seq_len=64, batch_size=2, eval_samples=2, warmup_steps=1,
+                          save_every=0, num_workers=0, ttt_steps=2, drafter_arch="mla"),
+              tmp_path / "target", tmp_path / "hidden", tmp_path / "vocab",
+              tmp_path / "drafter-mla", tmp_path / "ckpt-mla")
+    export.run(ExportConfig(dtype="float32"), tmp_path / "target", tmp_path / "drafter-mla",
+               tmp_path / "export-mla")  # validates both engines' folders
+    c = json.loads((tmp_path / "export-mla/vllm/config.json").read_text())
+    assert c["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert c["model_type"] == "deepseek_v2" and c["num_hidden_layers"] == 1
+    widths = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    assert {k: c[k] for k in widths} == {k: text_config[k] for k in widths}
+    assert c["rope_parameters"]["rope_type"] == "default"
+    t = load_file(tmp_path / "export-mla/vllm/model.safetensors")
+    H = text_config["hidden_size"]
+    assert t["midlayer.self_attn.kv_a_proj_with_mqa.weight"].shape == (
+        c["kv_lora_rank"] + c["qk_rope_head_dim"], 2 * H)
+    assert "midlayer.self_attn.q_proj.weight" not in t  # the low-rank query (SGLang needs it)
+
+    # validate names what an engine would trip over
+    bad = tmp_path / "bad-mla"
+    shutil.copytree(tmp_path / "export-mla/sglang", bad)
+    t["midlayer.self_attn.kv_b_proj.weight"] = t["midlayer.self_attn.kv_b_proj.weight"][:, :-1].contiguous()
+    save_file(t, bad / "model.safetensors")
+    with pytest.raises(DraftsmithError, match="kv_b_proj.weight has shape"):
+        export.validate(bad, target_num_layers=L, target_hidden_size=H,
+                        target_vocab_size=text_config["vocab_size"])
+
+
+def test_an_mla_drafter_for_a_grouped_query_target_is_refused_before_training():
+    from transformers import Qwen3Config
+
+    from draftsmith.train.loop import drafter_config
+
+    gqa = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=100)
+    with pytest.raises(DraftsmithError, match="(?s)has no kv_lora_rank.*drafter_arch: llama"):
+        drafter_config(TrainConfig(drafter_arch="mla"), gqa, 20, (1, 2, 3))

@@ -106,3 +106,32 @@ def test_seed_failure_other_convention_loses_acceptance_and_validate_names_it(re
                for p, o in zip(prompts, alone))
     REPORT.append(f"MLA toy: vLLM greedy outputs identical to the target alone: {same}/{len(prompts)}")
     assert same == len(prompts)
+
+
+def test_the_mla_drafter_on_the_same_data_served_beside_the_llama_one(repo):
+    """`train.drafter_arch: mla`: the drafter layer vLLM loads as Eagle3DeepseekV2ForCausalLM
+    (the target's own MLA), trained on the same hidden states as the Llama drafter: only
+    train, export and benchmark rerun, and vLLM's acceptance agrees with the reference engine's
+    (a rope, latent or weight-name mismatch between our layer and vLLM's would part them),
+    greedy outputs the target's own."""
+    from test_pipeline_dvc import ran
+
+    llama = json.loads((repo / "metrics/benchmark.json").read_text())
+    set_params(repo, {"train": {"drafter_arch": "mla"}})
+    try:
+        assert ran(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
+        config = json.loads((repo / "models/export/vllm/config.json").read_text())
+        assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+        assert json.loads((repo / "metrics/train.json").read_text())["drafter_arch"] == "mla"
+        m = json.loads((repo / "metrics/benchmark.json").read_text())
+    finally:  # the other tests read the Llama drafter's run (restored from DVC's run cache)
+        set_params(repo, {"train": {"drafter_arch": "llama"}})
+        dvc("repro", cwd=repo)
+    ref, served = m["by_engine"]["reference"]["T0.0"], m["by_engine"]["vllm"]["T0.0"]
+    REPORT.append(
+        f"MLA toy, acceptance length at T=0, reference / vLLM: Llama drafter "
+        f"{llama['by_engine']['reference']['T0.0']} / {llama['by_engine']['vllm']['T0.0']}, "
+        f"MLA drafter {ref} / {served}")
+    assert abs(served - ref) <= 0.10 * ref
+    assert served > 1.5 * m["random_drafter_acceptance_length"]
+    assert m["by_engine_results"]["vllm"][0]["lossless"]["lossless"]

@@ -93,7 +93,8 @@ def load_drafter_weights(model: Eagle3Drafter, path: Path) -> dict:
             raise DraftsmithError(
                 f"{path}: tensor {k} {tuple(v.shape)} does not fit this drafter "
                 f"({tuple(mine[k].shape) if k in mine else 'no such tensor'})",
-                "init from a drafter of the same target architecture, or use init: copy")
+                "init from a drafter of the same target and drafter kind (train.drafter_arch: "
+                "llama or mla), or use init: copy")
         loaded[k] = v.to(mine[k].dtype)
     # lm_head rows follow target token ids: keep the rows of tokens both vocabs share.
     kept = 0

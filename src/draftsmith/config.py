@@ -191,6 +191,7 @@ class HiddenConfig(_Section):
 
 class TrainConfig(_Section):
     init: str = "copy"
+    drafter_arch: Literal["llama", "mla"] = "llama"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ttt_steps: int = Field(3, ge=1)
     step_weight: float = Field(0.8, gt=0, le=1)

@@ -5,7 +5,10 @@
                  -> prenorm output (H) -> norm -> lm_head over the draft vocab (Vd)
 
 The layer's attention takes the 2H concatenation for q/k/v; its residual is h (pre-norm), as
-in vLLM's `llama_eagle3.py`. The prenorm output is the next draft step's `h`.
+in vLLM's `llama_eagle3.py`. The prenorm output is the next draft step's `h`. The attention is
+grouped-query (`arch: llama`, vLLM's `LlamaForCausalLMEagle3`) or multi-head latent attention
+(`arch: mla`, vLLM's `Eagle3DeepseekV2ForCausalLM`: DeepSeek-V3's and Kimi-K2's own attention,
+the rest of the layer the same).
 
 Training-time test (TTT) unrolls `steps` draft steps for every position at once. Chain t at
 step j sits at rotary position t + j, and its query attends to the step-0 keys at positions
@@ -38,6 +41,19 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    arch: str = "llama"  # llama: GQA (num_kv_heads, head_dim); mla: the fields below
+    q_lora_rank: int | None = None  # MLA: None = one q_proj, no low-rank query
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self):
+        if self.arch not in ("llama", "mla"):
+            raise ValueError(f"drafter arch {self.arch!r}: llama or mla")
+        if self.arch == "mla" and not (self.kv_lora_rank and self.qk_rope_head_dim
+                                       and self.v_head_dim):
+            raise ValueError("an MLA drafter needs kv_lora_rank, qk_rope_head_dim, v_head_dim")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -75,7 +91,23 @@ def rotate(x, pos, theta: float):
     return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
+def rotate_pairs(x, pos, theta: float):
+    """Rotary embedding on adjacent pairs (x[2i], x[2i+1]): DeepSeek's MLA layout, what vLLM's
+    rope does with is_neox_style=False. Arguments as for `rotate`."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = pos.to(torch.float32)[..., None] * inv  # (..., T, hd/2)
+    cos, sin = ang.cos(), ang.sin()
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2) \
+        .to(x.dtype)
+
+
 class Attention(nn.Module):
+    """Grouped-query attention (Llama)."""
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.c = c
@@ -116,6 +148,65 @@ class Attention(nn.Module):
         return rotate(q, pos, c.rope_theta), rotate(k, pos, c.rope_theta), v
 
 
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), with vLLM's weight names.
+
+    The 2H input goes through two low-rank projections: q_a (q_lora_rank) and kv_a (the
+    compressed kv_lora_rank latent plus one qk_rope_head_dim key shared by every head). Each is
+    normed; q_b and kv_b expand them per head. A head's key is [k_nope ; k_rope] and its query
+    [q_nope ; q_rope], rotary on the rope parts only (adjacent pairs). The heads come out as
+    ordinary multi-head q, k, v (v narrower than q and k), so the TTT attention and its fast
+    path run unchanged; an engine keeps only the latent and the rope key per token."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        n, qk = c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+        if c.q_lora_rank:
+            self.q_a_proj = nn.Linear(2 * c.hidden_size, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, n * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(2 * c.hidden_size, n * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * c.hidden_size,
+                                            c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(n * c.v_head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x, pos):
+        return self.split_heads(F.linear(x, self.input_weight()), pos)
+
+    def input_weight(self):
+        """The projections that read the 2H input, stacked: q_a (or q) and kv_a."""
+        q = self.q_a_proj if self.c.q_lora_rank else self.q_proj
+        return torch.cat([q.weight, self.kv_a_proj_with_mqa.weight])
+
+    def stacked_halves(self):
+        """As Attention.stacked_halves: `input_weight` cut into the columns that read the
+        embedding half and those that read the hidden half."""
+        w = self.input_weight()
+        return w[:, :self.c.hidden_size], w[:, self.c.hidden_size:]
+
+    def split_heads(self, proj, pos):
+        """(B, T, q_a + kv_a widths) -> q, k (B, n, T, nope + rope), v (B, n, T, v_head_dim)."""
+        c = self.c
+        B, T, _ = proj.shape
+        n, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        q, kv_a = proj.split([proj.shape[-1] - c.kv_lora_rank - rope, c.kv_lora_rank + rope], -1)
+        if c.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(B, T, n, nope + rope).transpose(1, 2)
+        latent, k_rope = kv_a.split([c.kv_lora_rank, rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, n, nope + c.v_head_dim)
+        k_nope, v = kv.transpose(1, 2).split([nope, c.v_head_dim], -1)
+        q_nope, q_rope = q.split([nope, rope], -1)
+        q = torch.cat([q_nope, rotate_pairs(q_rope, pos, c.rope_theta)], -1)
+        k_rope = rotate_pairs(k_rope[:, None], pos, c.rope_theta).expand(B, n, T, rope)
+        return q, torch.cat([k_nope, k_rope], -1), v
+
+
 def repeat_kv(x, num_heads: int):
     """(B, nkv, T, hd) -> (B, nh, T, hd): the reference paths' copy of grouped K/V heads."""
     return x.repeat_interleave(num_heads // x.shape[1], 1)
@@ -152,14 +243,14 @@ class MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = MLAttention(c) if c.arch == "mla" else Attention(c)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def inputs(self, emb, h):
         return torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)
 
     def finish(self, attn, h):
-        """attention output (B, nh, T, hd) + residual h -> the layer's prenorm output."""
+        """attention output (B, nh, T, hd_v) + residual h -> the layer's prenorm output."""
         B, nh, T, hd = attn.shape
         h = h + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, nh * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -285,15 +376,15 @@ class DrafterCache:
     full, so appending a round's positions never copies the whole prefix."""
 
     def __init__(self):
-        self.keys = self.values = None  # (1, nkv, capacity, hd)
+        self.keys = self.values = None  # (1, nkv, capacity, hd), values' hd_v (MLA: narrower)
         self.length = 0
 
     def write(self, at: int, k, v):
-        """Store k, v (1, nkv, T, hd) at slots at..at+T-1; -> keys and values of slots < at+T."""
+        """Store k, v (1, nkv, T, hd|hd_v) at slots at..at+T-1; -> keys and values of slots < at+T."""
         end = at + k.shape[2]
         if self.keys is None or end > self.keys.shape[2]:
-            shape = (*k.shape[:2], max(64, 2 * end), k.shape[3])
-            keys, values = k.new_empty(shape), v.new_empty(shape)
+            shape = (*k.shape[:2], max(64, 2 * end))
+            keys, values = k.new_empty(*shape, k.shape[3]), v.new_empty(*shape, v.shape[3])
             if self.keys is not None:
                 keys[:, :, :at], values[:, :, :at] = self.keys[:, :, :at], self.values[:, :, :at]
             self.keys, self.values = keys, values
@@ -304,9 +395,9 @@ class DrafterCache:
 def decode_attention(q, k, v):
     """One query position against all of k/v, grouped-query heads not copied: the query heads
     sharing a KV head are the rows of one matmul against it.
-    q: (B, nh, 1, hd); k, v: (B, nkv, S, hd) -> (B, nh, 1, hd)."""
+    q: (B, nh, 1, hd); k: (B, nkv, S, hd), v: (B, nkv, S, hd_v) -> (B, nh, 1, hd_v)."""
     B, nh, _, hd = q.shape
     q = q.reshape(B, k.shape[1], nh // k.shape[1], hd)  # head i uses KV head i // (nh / nkv)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
     p = torch.softmax(scores.to(_accum(q.dtype)), -1).to(q.dtype)
-    return (p @ v).view(B, nh, 1, hd)
+    return (p @ v).view(B, nh, 1, v.shape[-1])

@@ -30,23 +30,37 @@ from draftsmith.drafter import DrafterConfig, Eagle3Drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.serving.engines import DEFAULT, ENGINES, Engine
 
-ARCH = "LlamaForCausalLMEagle3"
+# The drafter layer's kind -> the architecture engines load it as. MLA: vLLM's
+# deepseek_eagle3.py and SGLang's kimi_k25_eagle3.py both register the V2 name (only some
+# SGLang versions the V3 alias).
+ARCHS = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
+ARCH = ARCHS["llama"]
 OURS = ENGINES["vllm"]  # training's aux layer ids are in vLLM's convention
+
+
+def _attention_config(c: DrafterConfig) -> dict:
+    if c.arch == "llama":
+        return {"model_type": "llama", "num_key_value_heads": c.num_kv_heads,
+                "head_dim": c.head_dim, "rope_theta": c.rope_theta}
+    # DeepSeek-V2's config (V2 and V3 share the MLA layer; vLLM turns a deepseek_v3 draft into
+    # its MTP model), pairwise (non-NeoX) rope, softmax scale qk^-0.5 without YaRN
+    return {"model_type": "deepseek_v2", "num_key_value_heads": c.num_heads,
+            "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
+            "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
+            "v_head_dim": c.v_head_dim, "head_dim": c.qk_rope_head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
 
 
 def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:
     return {
-        "architectures": [ARCH],
-        "model_type": "llama",
+        "architectures": [ARCHS[c.arch]],
+        **_attention_config(c),
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
         "num_hidden_layers": 1,
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
@@ -86,16 +100,30 @@ def export(model: Eagle3Drafter, out_dir: Path, *, dtype: str = "bfloat16",
 # ----------------------------------------------------------------------------- validate
 
 
+def _attention_shapes(c: dict) -> dict[str, tuple]:
+    H, nh = c["hidden_size"], c["num_attention_heads"]
+    a = "midlayer.self_attn."
+    if c.get("architectures") != [ARCHS["mla"]]:
+        nkv, hd = c["num_key_value_heads"], c["head_dim"]
+        return {a + "q_proj.weight": (nh * hd, 2 * H), a + "k_proj.weight": (nkv * hd, 2 * H),
+                a + "v_proj.weight": (nkv * hd, 2 * H), a + "o_proj.weight": (H, nh * hd)}
+    q_lora, kv_lora = c.get("q_lora_rank"), c["kv_lora_rank"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    q = {a + "q_a_proj.weight": (q_lora, 2 * H), a + "q_a_layernorm.weight": (q_lora,),
+         a + "q_b_proj.weight": (nh * (nope + rope), q_lora)} if q_lora else \
+        {a + "q_proj.weight": (nh * (nope + rope), 2 * H)}
+    return {**q, a + "kv_a_proj_with_mqa.weight": (kv_lora + rope, 2 * H),
+            a + "kv_a_layernorm.weight": (kv_lora,),
+            a + "kv_b_proj.weight": (nh * (nope + v), kv_lora), a + "o_proj.weight": (H, nh * v)}
+
+
 def _expected_shapes(c: dict) -> dict[str, tuple]:
-    H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    H = c["hidden_size"]
     I, Vd, V, Ht = c["intermediate_size"], c["draft_vocab_size"], c["vocab_size"], c["target_hidden_size"]
     n_aux = len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     m = "midlayer."
     return {
-        m + "self_attn.q_proj.weight": (nh * hd, 2 * H),
-        m + "self_attn.k_proj.weight": (nkv * hd, 2 * H),
-        m + "self_attn.v_proj.weight": (nkv * hd, 2 * H),
-        m + "self_attn.o_proj.weight": (H, nh * hd),
+        **_attention_shapes(c),
         m + "mlp.gate_proj.weight": (I, H),
         m + "mlp.up_proj.weight": (I, H),
         m + "mlp.down_proj.weight": (H, I),
@@ -124,8 +152,13 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
     t = load_file(w_file)
     engine = ENGINES[c.get("draftsmith", {}).get("engine", DEFAULT)]
 
-    if c.get("architectures") != [ARCH]:
-        problems.append(f"architectures is {c.get('architectures')}, engines load [{ARCH!r}]")
+    if c.get("architectures") not in [[a] for a in ARCHS.values()]:
+        problems.append(f"architectures is {c.get('architectures')}, engines load one of "
+                        f"{[[a] for a in ARCHS.values()]}")
+    elif c["architectures"] == [ARCHS["mla"]] and engine.name == "sglang" \
+            and not c.get("q_lora_rank"):
+        problems.append("an MLA drafter without q_lora_rank: vLLM loads it, SGLang's "
+                        "Kimi-K2.5 EAGLE-3 model requires the low-rank query")
     for key, want in (("vocab_size", target_vocab_size), ("target_hidden_size", target_hidden_size),
                       ("hidden_size", target_hidden_size)):
         if c.get(key) != want:

@@ -68,7 +68,8 @@ def _with_lse(attn, q, k, v, block_mask):
 
 
 def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask):
-    """q: (B, nh, T, hd); k0, v0 and each of ks/vs: (B, nkv, T, hd). Same result as
+    """q: (B, nh, T, hd); k0 and each of ks: (B, nkv, T, hd); v0 and each of vs: (B, nkv,
+    T, hd_v). Same result as
     drafter.ttt_attention(q, k0, v0, ks, vs, doc) for the block mask of `doc`."""
     attn = _flex() if q.is_cuda else flex_attention
     o0, lse0 = _with_lse(attn, q, k0, v0, block_mask)
@@ -85,11 +86,12 @@ def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask):
     w0 = torch.exp(lse0 - m)
     wd = torch.exp(s - m[..., None])
     z = w0 + wd.sum(-1)
-    out = o0.view(B, nkv, nh // nkv, T, hd) * (w0 / z)[..., None].to(q.dtype)
+    hd_v = o0.shape[-1]  # MLA's values are narrower than its queries and keys
+    out = o0.view(B, nkv, nh // nkv, T, hd_v) * (w0 / z)[..., None].to(q.dtype)
     wd = (wd / z[..., None]).to(q.dtype)
     for i, v in enumerate(vs):
         out = out + wd[..., i, None] * v[:, :, None]
-    return out.view(B, nh, T, hd)
+    return out.view(B, nh, T, hd_v)
 
 
 def compiled_ttt_attention_flex():

@@ -69,16 +69,8 @@ class Runtime:
 
 
 def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers) -> Eagle3Drafter:
-    tc = head.config
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    c = DrafterConfig(
-        hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
-        num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
-        head_dim=head_dim, intermediate_size=cfg.intermediate_size or tc.intermediate_size,
-        vocab_size=tc.vocab_size, draft_vocab_size=len(d2t), aux_layers=tuple(aux_layers),
-        rms_norm_eps=tc.rms_norm_eps, rope_theta=_rope_theta(tc),
-        max_position_embeddings=tc.max_position_embeddings,
-    )
+    c = drafter_config(cfg, head.config, len(d2t), aux_layers)
+
     torch.manual_seed(cfg.seed)
     model = Eagle3Drafter(c)
     model.embed_tokens.weight.data.copy_(head.embed.float())
@@ -90,6 +82,35 @@ def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers) -> E
     elif cfg.init != "scratch":
         load_drafter_weights(model, Path(cfg.init))
     return model
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+
+
+def drafter_config(cfg: TrainConfig, tc, draft_vocab_size: int, aux_layers) -> DrafterConfig:
+    """The drafter's shape from the target's text config `tc`: its attention heads, the
+    attention kind `train.drafter_arch` (an MLA drafter takes the target's MLA widths, which
+    the engine's MLA kernels are built for), the target's MLP width unless
+    `train.intermediate_size` says otherwise."""
+    mla = {}
+    if cfg.drafter_arch == "mla":
+        if not getattr(tc, "kv_lora_rank", None):
+            raise DraftsmithError(
+                f"train.drafter_arch: mla takes its latent widths from an MLA target, and this "
+                f"target ({getattr(tc, 'model_type', '?')}) has no kv_lora_rank",
+                "set train.drafter_arch: llama for a grouped-query target")
+        mla = {k: getattr(tc, k, None) for k in MLA_FIELDS}
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return DrafterConfig(
+        hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
+        num_heads=tc.num_attention_heads,
+        num_kv_heads=tc.num_attention_heads if mla else tc.num_key_value_heads,
+        head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla else head_dim,
+        intermediate_size=cfg.intermediate_size or tc.intermediate_size,
+        vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab_size,
+        aux_layers=tuple(aux_layers), rms_norm_eps=tc.rms_norm_eps, rope_theta=_rope_theta(tc),
+        max_position_embeddings=tc.max_position_embeddings, arch=cfg.drafter_arch, **mla)
 
 
 def _rope_theta(tc) -> float:
@@ -344,6 +365,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
 
         plot_training(curve, plot_file)
     metrics = {
+        "drafter_arch": model.config.arch,
         "steps": cfg.steps, "resumed_from_step": start, "ttt_steps": cfg.ttt_steps,
         "eval_accuracy": final["accuracy"], "eval_loss": final["loss"],
         "initial_eval_accuracy": initial["accuracy"],
