@@ -111,15 +111,15 @@ def test_seed_failure_other_convention_loses_acceptance_and_validate_names_it(re
 def test_the_mla_drafter_on_the_same_data_served_beside_the_llama_one(repo):
     """`train.drafter_arch: mla`: the drafter layer vLLM loads as Eagle3DeepseekV2ForCausalLM
     (the target's own MLA), trained on the same hidden states as the Llama drafter: only
-    train, export and benchmark rerun, and vLLM's acceptance agrees with the reference engine's
+    train, export and benchmark rerun (or come from the run cache), and vLLM's acceptance agrees with the reference engine's
     (a rope, latent or weight-name mismatch between our layer and vLLM's would part them),
     greedy outputs the target's own."""
-    from test_pipeline_dvc import ran
+    from test_pipeline_dvc import brought_up_to_date
 
     llama = json.loads((repo / "metrics/benchmark.json").read_text())
     set_params(repo, {"train": {"drafter_arch": "mla"}})
     try:
-        assert ran(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
+        assert brought_up_to_date(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
         config = json.loads((repo / "models/export/vllm/config.json").read_text())
         assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
         assert json.loads((repo / "metrics/train.json").read_text())["drafter_arch"] == "mla"
