@@ -34,7 +34,6 @@ from draftsmith.serving.engines import DEFAULT, ENGINES, Engine
 # deepseek_eagle3.py and SGLang's kimi_k25_eagle3.py both register the V2 name (only some
 # SGLang versions the V3 alias).
 ARCHS = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
-ARCH = ARCHS["llama"]
 OURS = ENGINES["vllm"]  # training's aux layer ids are in vLLM's convention
 
 
