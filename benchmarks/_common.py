@@ -53,9 +53,9 @@ def matmul_ceiling(device):
 TRAIN_PRESETS = {
     "8b": dict(H=4096, nh=32, nkv=8, hd=128, I=14336, V=128256, Vd=32000, steps=7,
                lengths=[2048, 8192, 16384, 32768], tokens_per_step=8192, iters=8),
-    # Kimi-K2.5's text model (DeepSeek-V3 shape): both drafter layers the train stage builds
-    # for it (train.loop.drafter_config): `llama` 64 heads of 64 (its config's head_dim and
-    # KV heads), `mla` its own MLA widths; its dense MLP width.
+    # Kimi-K2.5's text model (DeepSeek-V3 shape), its config's widths; make_drafter builds
+    # from them what the train stage would: `llama` 64 heads of 64 (head_dim, KV heads),
+    # `mla` the target's MLA widths; the dense MLP width.
     "kimi-k2": dict(H=7168, nh=64, nkv=64, hd=64, I=18432, V=163840, Vd=32000, steps=7,
                     lengths=[8192, 16384], tokens_per_step=8192, iters=4,
                     mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -68,16 +68,21 @@ TRAIN_PRESETS = {
 
 
 def make_drafter(p, device, arch: str = "llama"):
-    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+    """The drafter the train stage builds for a target of the preset's shape
+    (train.loop.drafter_config), so the benchmark measures the layer training runs."""
+    from types import SimpleNamespace
+
+    from draftsmith.config import TrainConfig
+    from draftsmith.drafter import Eagle3Drafter
+    from draftsmith.train.loop import drafter_config
 
     torch.manual_seed(0)
-    mla = dict(arch="mla", **p["mla"]) if arch == "mla" else {}
-    c = DrafterConfig(hidden_size=p["H"], target_hidden_size=p["H"], num_heads=p["nh"],
-                      num_kv_heads=p["nh"] if mla else p["nkv"],
-                      head_dim=p["mla"]["qk_nope_head_dim"] + p["mla"]["qk_rope_head_dim"]
-                      if mla else p["hd"],
-                      intermediate_size=p["I"], vocab_size=p["V"], draft_vocab_size=p["Vd"],
-                      aux_layers=(2, 16, 29), **mla)
+    target = SimpleNamespace(
+        model_type="a benchmark preset without MLA widths", hidden_size=p["H"],
+        num_attention_heads=p["nh"], num_key_value_heads=p["nkv"], head_dim=p["hd"],
+        intermediate_size=p["I"], vocab_size=p["V"], rms_norm_eps=1e-6,
+        max_position_embeddings=max(p["lengths"]), **p.get("mla", {}))
+    c = drafter_config(TrainConfig(drafter_arch=arch), target, p["Vd"], (2, 16, 29))
     m = Eagle3Drafter(c)
     for prm in m.parameters():
         torch.nn.init.normal_(prm, std=0.02)
