@@ -28,6 +28,23 @@ def toy_target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepseek_dir(toy_target, tmp_path_factory) -> Path:
+    """A random DeepSeek-V3 model with the embedded MLA toy's config and the toy's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    from draftsmith.config import EmbeddedTargetConfig
+    from draftsmith.toy.build import _mla_config
+
+    d = tmp_path_factory.mktemp("deepseek")
+    tok = AutoTokenizer.from_pretrained(toy_target / "model")
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(_mla_config(EmbeddedTargetConfig(**TINY_TARGET), tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def toy_tokenizer(toy_target):
     from draftsmith.target_info import load_tokenizer
 

@@ -226,6 +226,51 @@ def test_online_training_on_two_processes_follows_one(inputs, tmp_path):
         assert curves[2][step] == pytest.approx(curves[1][step], rel=1e-4, abs=1e-4), step
 
 
+def test_the_mla_drafter_on_two_processes_follows_one(deepseek_dir, tmp_path):
+    """train.drafter_arch: mla (the target's latent attention, values narrower than keys) under
+    FSDP2 over two processes: the one-process curve and drafter, as the Llama layer's."""
+    from draftsmith import vocab
+    from draftsmith.config import TargetConfig, VocabConfig
+    from draftsmith.target import resolve
+    from draftsmith.target_info import read_info
+
+    resolve(TargetConfig(model=str(deepseek_dir)), tmp_path / "target")
+    V = read_info(tmp_path / "target").vocab_size
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(x) for x in torch.randint(20, 60, (120,), generator=g)]
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    save_file({"input_ids": torch.randint(3, V, (sum(lengths),), generator=g).to(torch.int32),
+               "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
+               "cu_seqlens": torch.cumsum(torch.tensor([0, *lengths]), 0)},
+              tok / "shard-00000.safetensors")
+    write_json(tok / "manifest.json", {"vocab_size": V, "shards": [
+        {"file": "shard-00000.safetensors", "ids": [f"{i:08x}" for i in range(len(lengths))]}]})
+    _ok(_stage("hidden", _params(tmp_path, "h", 1, hidden=HIDDEN), target=tmp_path / "target",
+               tokenized=tok, out=tmp_path / "h", work=tmp_path / "h.work",
+               metrics=tmp_path / "h.json"))
+    vocab.run(VocabConfig(draft_vocab_size=128), tok, V, tmp_path / "vocab")
+    mla = dict(TRAIN, steps=20, drafter_arch="mla", parallel="fsdp")
+    runs = {}
+    for n in (1, 2):
+        d = tmp_path / f"p{n}"
+        _ok(_stage("train", _params(tmp_path, f"mla{n}", n, train=mla), target=tmp_path / "target",
+                   tokenized=tok, hidden=tmp_path / "h", vocab=tmp_path / "vocab",
+                   out=d / "drafter", checkpoints=d / "ckpt", curve=d / "curve.csv",
+                   plot=d / "curve.png", metrics=d / "m.json"))
+        runs[n] = d
+        assert json.loads((d / "m.json").read_text())["processes"] == n
+    one, two = _curve(runs[1] / "curve.csv"), _curve(runs[2] / "curve.csv")
+    assert sorted(one) == sorted(two) == list(range(mla["steps"]))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4, abs=1e-4), step
+    a = load_file(runs[1] / "drafter" / DRAFTER_WEIGHTS)
+    b = load_file(runs[2] / "drafter" / DRAFTER_WEIGHTS)
+    assert "midlayer.self_attn.kv_b_proj.weight" in a  # the MLA layer it trained
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("parallel, cases", [("ddp", ["train", "hidden"]), ("fsdp", ["train"])])
 def test_scale_out_benchmark_runs_on_the_cpu(tmp_path, parallel, cases):
     """benchmarks/scale_out.py keeps working between multi-GPU runs: toy preset, gloo."""

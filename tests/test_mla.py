@@ -11,28 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from toys import TINY_TARGET
 from draftsmith import capture, export, hidden, hidden_format, train, vocab
 from draftsmith.atomic import write_json
 from draftsmith.errors import DraftsmithError
-from draftsmith.config import (EmbeddedTargetConfig, ExportConfig, HiddenConfig, TargetConfig,
-                               TrainConfig, VocabConfig)
+from draftsmith.config import ExportConfig, HiddenConfig, TargetConfig, TrainConfig, VocabConfig
 from draftsmith.target import resolve
 from draftsmith.target_info import load_model, read_info
-from draftsmith.toy.build import _mla_config
-
-
-@pytest.fixture(scope="module")
-def deepseek_dir(toy_target, tmp_path_factory) -> Path:
-    """A random DeepSeek-V3 model with the embedded MLA toy's config and the toy's tokenizer."""
-    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
-
-    d = tmp_path_factory.mktemp("deepseek")
-    tok = AutoTokenizer.from_pretrained(toy_target / "model")
-    torch.manual_seed(0)
-    DeepseekV3ForCausalLM(_mla_config(EmbeddedTargetConfig(**TINY_TARGET), tok)).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 def kimi_k25_layout(text_dir: Path, out: Path) -> Path:
