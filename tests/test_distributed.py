@@ -45,19 +45,24 @@ def _ok(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, err[:3000] + "\n...\n" + err[-3000:]
 
 
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    """A tokenized artifact of 300 random samples (the hidden stage reads only ids)."""
+def random_tokenized(tok: Path, samples: int, vocab_size: int, ids_below: int) -> Path:
+    """A tokenized artifact of random samples of 20-59 tokens (the hidden stage reads only ids)."""
     g = torch.Generator().manual_seed(0)
-    lengths = [int(x) for x in torch.randint(20, 60, (300,), generator=g)]
-    tok = tmp_path_factory.mktemp("tok")
-    save_file({"input_ids": torch.randint(3, 500, (sum(lengths),), generator=g).to(torch.int32),
+    lengths = [int(x) for x in torch.randint(20, 60, (samples,), generator=g)]
+    tok.mkdir(exist_ok=True)
+    ids = torch.randint(3, ids_below, (sum(lengths),), generator=g).to(torch.int32)
+    save_file({"input_ids": ids,
                "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
                "cu_seqlens": torch.cumsum(torch.tensor([0, *lengths]), 0)},
               tok / "shard-00000.safetensors")
-    write_json(tok / "manifest.json", {"vocab_size": 512, "shards": [
-        {"file": "shard-00000.safetensors", "ids": [f"{i:08x}" for i in range(300)]}]})
+    write_json(tok / "manifest.json", {"vocab_size": vocab_size, "shards": [
+        {"file": "shard-00000.safetensors", "ids": [f"{i:08x}" for i in range(samples)]}]})
     return tok
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> Path:
+    return random_tokenized(tmp_path_factory.mktemp("tok"), 300, 512, ids_below=500)
 
 
 HIDDEN = dict(shard_mb=0.05, row_tokens=256, dtype="float32")  # ~60 small shards
@@ -236,16 +241,7 @@ def test_the_mla_drafter_on_two_processes_follows_one(deepseek_dir, tmp_path):
 
     resolve(TargetConfig(model=str(deepseek_dir)), tmp_path / "target")
     V = read_info(tmp_path / "target").vocab_size
-    g = torch.Generator().manual_seed(0)
-    lengths = [int(x) for x in torch.randint(20, 60, (120,), generator=g)]
-    tok = tmp_path / "tok"
-    tok.mkdir()
-    save_file({"input_ids": torch.randint(3, V, (sum(lengths),), generator=g).to(torch.int32),
-               "loss_mask": torch.ones(sum(lengths), dtype=torch.uint8),
-               "cu_seqlens": torch.cumsum(torch.tensor([0, *lengths]), 0)},
-              tok / "shard-00000.safetensors")
-    write_json(tok / "manifest.json", {"vocab_size": V, "shards": [
-        {"file": "shard-00000.safetensors", "ids": [f"{i:08x}" for i in range(len(lengths))]}]})
+    tok = random_tokenized(tmp_path / "tok", 120, V, ids_below=V)
     _ok(_stage("hidden", _params(tmp_path, "h", 1, hidden=HIDDEN), target=tmp_path / "target",
                tokenized=tok, out=tmp_path / "h", work=tmp_path / "h.work",
                metrics=tmp_path / "h.json"))

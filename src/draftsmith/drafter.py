@@ -79,14 +79,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate(x, pos, theta: float):
-    """Rotary embedding, Llama/NeoX half-rotation layout. x: (..., T, hd), pos: (T,) or (B, T)."""
+def _rotary_angles(x, pos, theta: float):
+    """cos and sin of the rotary angles for x: (..., T, hd), pos: (T,) or (B, T) ->
+    (..., T, hd/2), with a head axis added for a per-row pos to broadcast over heads."""
     hd = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    ang = pos.to(torch.float32)[..., None] * inv  # (..., T, hd/2)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    if cos.dim() == 3:  # (B, T, hd) -> (B, 1, T, hd) to broadcast over heads
-        cos, sin = cos[:, None], sin[:, None]
+    ang = pos.to(torch.float32)[..., None] * inv
+    if ang.dim() == 3:  # (B, T, hd/2) -> (B, 1, T, hd/2)
+        ang = ang[:, None]
+    return ang.cos(), ang.sin()
+
+
+def rotate(x, pos, theta: float):
+    """Rotary embedding, Llama/NeoX half-rotation layout. x: (..., T, hd), pos: (T,) or (B, T)."""
+    cos, sin = _rotary_angles(x, pos, theta)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    hd = x.shape[-1]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
@@ -94,18 +102,27 @@ def rotate(x, pos, theta: float):
 def rotate_pairs(x, pos, theta: float):
     """Rotary embedding on adjacent pairs (x[2i], x[2i+1]): DeepSeek's MLA layout, what vLLM's
     rope does with is_neox_style=False. Arguments as for `rotate`."""
-    hd = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    ang = pos.to(torch.float32)[..., None] * inv  # (..., T, hd/2)
-    cos, sin = ang.cos(), ang.sin()
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
+    cos, sin = _rotary_angles(x, pos, theta)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2) \
         .to(x.dtype)
 
 
-class Attention(nn.Module):
+class _TwoHalfInput(nn.Module):
+    """An attention whose projections read the 2H input [embedding ; hidden state]; its
+    `input_weight()` is every such projection's weight, stacked."""
+
+    def stacked_halves(self):
+        """`input_weight` cut into the columns that read the embedding half and those that
+        read the hidden half: [W_e | W_h] @ [e; h] = W_e @ e + W_h @ h, so the halves can be
+        projected apart. Training takes them once per unroll: autograd then sums W_h's
+        gradient over the TTT steps before one copy into the weights (a slice per step made a
+        full-size gradient per step), and each projection is one GEMM instead of several."""
+        w = self.input_weight()
+        return w[:, :self.c.hidden_size], w[:, self.c.hidden_size:]
+
+
+class Attention(_TwoHalfInput):
     """Grouped-query attention (Llama)."""
 
     def __init__(self, c: DrafterConfig):
@@ -121,16 +138,8 @@ class Attention(nn.Module):
         not repeated here; attention broadcasts them."""
         return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), pos)
 
-    def stacked_halves(self):
-        """The q, k and v weights stacked, cut into the columns that read the embedding half
-        and those that read the hidden half of the 2H input: [W_e | W_h] @ [e; h] =
-        W_e @ e + W_h @ h, so the halves can be projected apart. Training takes them once per
-        unroll: autograd then sums W_h's gradient over the TTT steps before one copy into the
-        weights (a slice per step made a full-size gradient per step), and each projection is
-        one GEMM instead of three."""
-        H = self.c.hidden_size
-        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        return w[:, :H], w[:, H:]
+    def input_weight(self):
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
 
     def split_heads(self, qkv, pos):
         """A stacked projection (B, T, (nh + 2 nkv) * hd) -> rotated q, k, v as `heads`."""
@@ -148,7 +157,7 @@ class Attention(nn.Module):
         return rotate(q, pos, c.rope_theta), rotate(k, pos, c.rope_theta), v
 
 
-class MLAttention(nn.Module):
+class MLAttention(_TwoHalfInput):
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), with vLLM's weight names.
 
     The 2H input goes through two low-rank projections: q_a (q_lora_rank) and kv_a (the
@@ -179,15 +188,8 @@ class MLAttention(nn.Module):
         return self.split_heads(F.linear(x, self.input_weight()), pos)
 
     def input_weight(self):
-        """The projections that read the 2H input, stacked: q_a (or q) and kv_a."""
         q = self.q_a_proj if self.c.q_lora_rank else self.q_proj
         return torch.cat([q.weight, self.kv_a_proj_with_mqa.weight])
-
-    def stacked_halves(self):
-        """As Attention.stacked_halves: `input_weight` cut into the columns that read the
-        embedding half and those that read the hidden half."""
-        w = self.input_weight()
-        return w[:, :self.c.hidden_size], w[:, self.c.hidden_size:]
 
     def split_heads(self, proj, pos):
         """(B, T, q_a + kv_a widths) -> q, k (B, n, T, nope + rope), v (B, n, T, v_head_dim)."""
@@ -380,7 +382,8 @@ class DrafterCache:
         self.length = 0
 
     def write(self, at: int, k, v):
-        """Store k, v (1, nkv, T, hd|hd_v) at slots at..at+T-1; -> keys and values of slots < at+T."""
+        """Store k, v (1, nkv, T, hd or MLA's narrower hd_v) at slots at..at+T-1; -> keys
+        and values of slots < at+T."""
         end = at + k.shape[2]
         if self.keys is None or end > self.keys.shape[2]:
             shape = (*k.shape[:2], max(64, 2 * end))

@@ -70,7 +70,6 @@ class Runtime:
 
 def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers) -> Eagle3Drafter:
     c = drafter_config(cfg, head.config, len(d2t), aux_layers)
-
     torch.manual_seed(cfg.seed)
     model = Eagle3Drafter(c)
     model.embed_tokens.weight.data.copy_(head.embed.float())
