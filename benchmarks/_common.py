@@ -60,20 +60,33 @@ TRAIN_PRESETS = {
                     lengths=[8192, 16384], tokens_per_step=8192, iters=4,
                     mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                              qk_rope_head_dim=64, v_head_dim=128)),
+    # Qwen3-8B (the methods issue's shape): vocab 151,936, MLP 12,288; DFlash as published
+    # (z-lab's Qwen3-8B-DFlash-b16): 5 Qwen3 layers, blocks of 16, 512 anchors a row.
+    "qwen3-8b": dict(H=4096, nh=32, nkv=8, hd=128, I=12288, V=151936, Vd=32000, steps=7,
+                     lengths=[2048, 16384], tokens_per_step=8192, iters=4,
+                     dflash=dict(num_layers=5, block_size=16, anchors=512)),
     "toy": dict(H=64, nh=4, nkv=2, hd=16, I=128, V=512, Vd=128, steps=3,
                 lengths=[64, 128], tokens_per_step=256, iters=2,
                 mla=dict(q_lora_rank=32, kv_lora_rank=48, qk_nope_head_dim=16,
-                         qk_rope_head_dim=8, v_head_dim=16)),
+                         qk_rope_head_dim=8, v_head_dim=16),
+                dflash=dict(num_layers=2, block_size=4, anchors=16)),
 }
 
 
-def make_drafter(p, device, arch: str = "llama"):
+def train_config(p, arch: str = "llama", method: str = "eagle3", **kw):
+    """train.* for the preset: its TTT steps, and DFlash's layers, block and anchors."""
+    from draftsmith.config import TrainConfig
+
+    return TrainConfig(drafter_arch=arch, method=method, ttt_steps=p["steps"],
+                       dflash=p.get("dflash", {}), **kw)
+
+
+def make_drafter(p, device, arch: str = "llama", method: str = "eagle3"):
     """The drafter the train stage builds for a target of the preset's shape
     (train.loop.drafter_config), so the benchmark measures the layer training runs."""
     from types import SimpleNamespace
 
-    from draftsmith.config import TrainConfig
-    from draftsmith.drafter import Eagle3Drafter
+    from draftsmith.drafters import build
     from draftsmith.train.loop import drafter_config
 
     torch.manual_seed(0)
@@ -82,17 +95,21 @@ def make_drafter(p, device, arch: str = "llama"):
         num_attention_heads=p["nh"], num_key_value_heads=p["nkv"], head_dim=p["hd"],
         intermediate_size=p["I"], vocab_size=p["V"], rms_norm_eps=1e-6,
         max_position_embeddings=max(p["lengths"]), **p.get("mla", {}))
-    c = drafter_config(TrainConfig(drafter_arch=arch), target, p["Vd"], (2, 16, 29))
-    m = Eagle3Drafter(c)
+    c = drafter_config(train_config(p, arch, method), target, p["Vd"], (2, 16, 29),
+                       mask_token_id=0)
+    m = build(c)
     for prm in m.parameters():
         torch.nn.init.normal_(prm, std=0.02)
-    draft = torch.randperm(p["V"])[:p["Vd"]].sort().values
-    m.d2t.copy_(draft - torch.arange(p["Vd"]))
-    m.t2d[draft] = True
+    if hasattr(m, "d2t"):
+        draft = torch.randperm(p["V"])[:p["Vd"]].sort().values
+        m.d2t.copy_(draft - torch.arange(p["Vd"]))
+        m.t2d[draft] = True
     return m.to(device)
 
 
 def make_batch(p, T, rows, device):
+    """rows samples of T tokens, every token a response token (DFlash: every position a
+    possible anchor)."""
     from draftsmith.train.data import Batch
 
     g = torch.Generator().manual_seed(T)

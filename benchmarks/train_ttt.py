@@ -4,6 +4,7 @@ baseline, side by side in one run.
     python benchmarks/train_ttt.py --json benchmarks/results/train_ttt_h200.json   # GPU, 8B shape
     python benchmarks/train_ttt.py --preset kimi-k2 --archs llama mla --kinds fast  # both layers
     python benchmarks/train_ttt.py --preset toy --device cpu                      # CPU, seconds
+    python benchmarks/train_ttt.py --preset qwen3-8b --kinds fast --methods eagle3 eagle3.1 dflash
 
 Shape (preset `8b`): Llama-3.1-8B (H 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128,256),
 draft vocab 32,000, 7 TTT steps, random weights (speed does not depend on the values);
@@ -24,9 +25,16 @@ a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
   fp32 master weights, to tell how much of a baseline figure is that choice.
 All others: bf16 autocast, fp32 master weights, AdamW, gradient clipping.
 
-FLOPs per token (the `mfu` column): 6 x the drafter's matmul parameters per step x steps (fc
-once) + 2 x the target head (forward only) + causal attention; over the bf16 matmul ceiling
-measured in the same run.
+`--methods` (fast path only): EAGLE-3 and EAGLE-3.1 (the same TTT, 3.1's norms added), and
+DFlash as the preset's `dflash` entry has it (qwen3-8b: 5 layers, blocks of 16, 512 anchors a
+row; its loss over the target's full vocab). DFlash's work grows with its anchors, not with T:
+its tok/s counts the row's tokens, like the others', and its FLOPs count what it computes.
+
+FLOPs per token (the `mfu` column): EAGLE: 6 x the drafter's matmul parameters per step x steps
+(fc once) + 2 x the target head (forward only) + causal attention; DFlash: 6 x fc and each
+layer's k/v projections per context token, 6 x its layers' matmul parameters and 4 x the frozen
+head (forward and dx) per block token, attention over the mean context prefix; over the bf16
+matmul ceiling measured in the same run.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import (TRAIN_PRESETS as PRESETS, make_batch, make_drafter, matmul_ceiling,
-                     run_info, save_results)
+                     run_info, save_results, train_config)
 
 def naive_loss(m, batch, steps):
     """No TTT attention: each step is an ordinary causal layer over its own keys."""
@@ -59,20 +67,20 @@ def naive_loss(m, batch, steps):
     return total
 
 
-def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str = "llama"):
-    from draftsmith.config import TrainConfig
+def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str = "llama",
+             method: str = "eagle3"):
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer
-    from draftsmith.train.loss import ttt_loss_reference
+    from draftsmith.losses import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
-    m = make_drafter(p, device, arch)
+    m = make_drafter(p, device, arch, method)
     flops = flops_per_token(m, p, T)
     if kind == "naive_bf16":
         m = m.to(torch.bfloat16)
     batch = make_batch(p, T, rows, device)
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
-    cfg = TrainConfig(ttt_steps=p["steps"], seq_len=T, batch_size=rows)
+    cfg = train_config(p, arch, method, seq_len=T, batch_size=rows)
     rt = Runtime.resolve(cfg.model_copy(update={"device": device.type}))
     trainer = None
     if kind == "fast":  # the train stage's own step: bf16 working copy, fused AdamW
@@ -93,7 +101,7 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
 
     def step():
         if trainer:
-            return trainer.step(batch, 1e-5)
+            return trainer.step(batch, 1e-5, seed=0)
         loss = step_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -113,13 +121,14 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         sync()
         seconds = (time.perf_counter() - t0) / iters
         if profile is not None:
-            name = kind if arch == "llama" else f"{kind}_{arch}"
+            name = "_".join([kind] + [x for x in (arch, method) if x not in ("llama", "eagle3")])
             write_profile(step, sync, device, profile / f"profile_{name}_T{T}.txt")
     except torch.OutOfMemoryError:
-        return {"kind": kind, "arch": arch, "T": T, "rows": rows, "status": "out of memory"}
+        return {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows,
+                "status": "out of memory"}
     finally:
         del m, opt, trainer
-    out = {"kind": kind, "arch": arch, "T": T, "rows": rows, "status": "ok",
+    out = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows, "status": "ok",
            "tokens_per_s": round(rows * T / seconds, 1), "step_ms": round(seconds * 1e3, 2),
            "flops_per_token": flops}
     if device.type == "cuda":
@@ -146,6 +155,8 @@ def flops_per_token(m, p, T):
     """The drafter's own matmuls (its layer and lm_head every step, fc once), counted from its
     weights, so Llama's and MLA's layers are counted alike."""
     c = m.config
+    if c.method == "dflash":
+        return dflash_flops_per_token(m, T, p["dflash"]["anchors"])
     layer = sum(w.numel() for name, w in m.midlayer.named_parameters() if w.dim() == 2) \
         + m.lm_head.weight.numel()
     qk, v = ((c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim) if c.arch == "mla"
@@ -153,6 +164,22 @@ def flops_per_token(m, p, T):
     attn = 2 * c.num_heads * (qk + v) * T / 2  # causal scores + weighted values, forward
     per_step = 6 * layer + 3 * attn
     return p["steps"] * per_step + 6 * m.fc.weight.numel() + 2 * p["H"] * p["V"]
+
+
+def dflash_flops_per_token(m, T, anchors: int):
+    """A row of T tokens: the context (fc, then each layer's k/v projections) at every token,
+    trained (x6); N = min(anchors, T) blocks of B tokens through every layer (x6) and the frozen
+    full-vocab head (forward and dx, x4) at the drafted slots; attention of each block over
+    its context prefix (T/2 on average for uniform anchors) and itself, forward and backward."""
+    c = m.config
+    N, B = min(anchors, T), c.block_size
+    layer = sum(w.numel() for w in m.layers.parameters() if w.dim() == 2)
+    kv = sum(l.self_attn.k_proj.weight.numel() + l.self_attn.v_proj.weight.numel()
+             for l in m.layers)
+    attn = 2 * c.num_heads * 2 * c.head_dim * (T / 2 + B) * c.num_layers  # qk and pv
+    context = 6 * (m.fc.weight.numel() + kv) * T
+    blocks = N * B * (6 * layer + 3 * attn) + N * (B - 1) * 4 * m.lm_head.weight.numel()
+    return (context + blocks) / T
 
 
 def kernel_ratio(device, p):
@@ -189,6 +216,9 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="*", default=["naive", "reference", "fast"])
     ap.add_argument("--archs", nargs="*", default=["llama"], choices=["llama", "mla"],
                     help="drafter layers to run side by side (mla: the preset's MLA widths)")
+    ap.add_argument("--methods", nargs="*", default=["eagle3"],
+                    choices=["eagle3", "eagle3.1", "dflash"],
+                    help="drafter methods side by side (other than eagle3: the fast kind only)")
     ap.add_argument("--iters", type=int)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--profile", type=Path, help="also write each case's operator profile here")
@@ -197,20 +227,26 @@ def main(argv=None):
     device = torch.device(args.device)
     ceiling = matmul_ceiling(device)
     results = []
+    cases = [(m, a, k) for m in args.methods for a in args.archs for k in args.kinds
+             if m == "eagle3" or k == "fast"]
     for T in args.lengths or p["lengths"]:
-        for arch in args.archs:
-            for kind in args.kinds:
-                r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile, arch)
-                if r["status"] == "ok" and ceiling:
-                    r["mfu"] = round(r["tokens_per_s"] * r["flops_per_token"] / ceiling, 3)
-                results.append(r)
-                print(json.dumps(r), flush=True)
+        for method, arch, kind in cases:
+            if method == "dflash" and arch != "llama":
+                continue  # no engine serves it (config.METHOD_ARCHS)
+            r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile, arch,
+                         method)
+            if r["status"] == "ok" and ceiling:
+                r["mfu"] = round(r["tokens_per_s"] * r["flops_per_token"] / ceiling, 3)
+            results.append(r)
+            print(json.dumps(r), flush=True)
     out = {**run_info(device, ceiling), "preset": args.preset, "shape": p, "results": results,
            "soft_ce_kernel": kernel_ratio(device, p)}
-    print(f"\n{'T':>6} {'arch':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} {'mfu':>6}")
+    print(f"\n{'T':>6} {'method':>8} {'arch':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} "
+          f"{'mfu':>6}")
     for r in results:
-        print(f"{r['T']:>6} {r['arch']:>6} {r['kind']:>10} {r.get('tokens_per_s', r['status']):>10} "
-              f"{r.get('peak_memory_gb', '-'):>8} {r.get('mfu', '-'):>6}")
+        print(f"{r['T']:>6} {r['method']:>8} {r['arch']:>6} {r['kind']:>10} "
+              f"{r.get('tokens_per_s', r['status']):>10} {r.get('peak_memory_gb', '-'):>8} "
+              f"{r.get('mfu', '-'):>6}")
     print("soft-CE kernel:", out["soft_ce_kernel"])
     save_results(args.json, out)
     return out

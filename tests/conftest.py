@@ -1,6 +1,5 @@
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,9 @@ os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFL
                   DVC_NO_ANALYTICS="1", TOKENIZERS_PARALLELISM="false")
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from checkout import copy_checkout  # noqa: E402
 
 from toys import TINY_TARGET
 
@@ -25,6 +27,25 @@ def toy_target(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("target") / "target"
     target.resolve(TargetConfig(embedded=EmbeddedTargetConfig(**TINY_TARGET)), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def toy_data(toy_target, tmp_path_factory) -> Path:
+    """The tiny toy's own answers to 96 prompts, through generate, tokenize, vocab (128 draft
+    tokens) and hidden (fp32 states): raw/, tok/, vocab/, hidden/. Built once per session, for
+    every method's training tests."""
+    from draftsmith import generate, hidden, tokenization, vocab
+    from draftsmith.config import GenerateConfig, HiddenConfig, TokenizeConfig, VocabConfig
+    from draftsmith.target_info import read_info
+
+    d = tmp_path_factory.mktemp("data")
+    generate.run(GenerateConfig(num_samples=96, max_new_tokens=96, batch_size=32), toy_target,
+                 d / "raw")
+    tokenization.run(TokenizeConfig(on_format_error="drop"), toy_target, d / "raw", d / "tok")
+    vocab.run(VocabConfig(draft_vocab_size=128), d / "tok", read_info(toy_target).vocab_size,
+              d / "vocab")
+    hidden.run(HiddenConfig(dtype="float32"), toy_target, d / "tok", d / "hidden")
+    return d
 
 
 @pytest.fixture(scope="session")
@@ -53,17 +74,20 @@ def toy_tokenizer(toy_target):
 
 def copy_repo(dest: Path) -> Path:
     """A fresh git+DVC checkout of the working tree (tracked and untracked, not ignored)."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dest / f)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
-    subprocess.run([*git, "commit", "-qm", "init"], cwd=dest, check=True)
-    return dest
+    return copy_checkout(REPO, dest)
+
+
+def cached_checkout(tmp_path_factory, name: str, params: dict) -> Path:
+    """A checkout with `params` set (test_pipeline_dvc.set_params) whose DVC cache, run cache
+    included, is the persistent test cache (DRAFTSMITH_TEST_CACHE, else ~/.cache/draftsmith):
+    what an earlier test or run of the suite computed comes back instead of running again."""
+    from test_pipeline_dvc import set_params
+
+    repo = copy_repo(tmp_path_factory.mktemp(name))
+    cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", Path.home() / ".cache/draftsmith"))
+    dvc("config", "--local", "cache.dir", str(cache / "dvc-cache"), cwd=repo)
+    set_params(repo, params)
+    return repo
 
 
 def dvc(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -151,7 +175,8 @@ def random_drafter(target, draft_vocab: int, seed: int = 1, aux_layers=(1, 2, 3)
     the first `draft_vocab` tokens (d2t offsets 0)."""
     import torch
 
-    from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+    from draftsmith.drafters import DrafterConfig
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
 
     torch.manual_seed(seed)
     h, v = target.config.hidden_size, target.config.vocab_size

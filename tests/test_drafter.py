@@ -1,20 +1,24 @@
-"""The training-time-test attention matches the inference chain, step by step."""
+"""The training-time-test attention matches the inference chain, step by step (EAGLE-3 and
+EAGLE-3.1, Llama and MLA layers)."""
 
 import pytest
 import torch
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter, ttt_attention
+from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.eagle3 import Eagle3Drafter, ttt_attention
 
 
 MLA = dict(arch="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
            v_head_dim=5)  # every width different, so a mixed-up split shows
+V31 = dict(method="eagle3.1", fc_norm=True, norm_output=True)
 
 
-def drafter(nh=4, nkv=2, seed=0, **mla):
+def drafter(nh=4, nkv=2, seed=0, **kind):
     torch.manual_seed(seed)
     c = DrafterConfig(hidden_size=32, target_hidden_size=24, num_heads=nh,
-                      num_kv_heads=nh if mla else nkv, head_dim=8, intermediate_size=64,
-                      vocab_size=50, draft_vocab_size=20, aux_layers=(2, 4, 5), **mla)
+                      num_kv_heads=nh if kind.get("arch") == "mla" else nkv, head_dim=8,
+                      intermediate_size=64, vocab_size=50, draft_vocab_size=20,
+                      aux_layers=(2, 4, 5), **kind)
     m = Eagle3Drafter(c).double()
     for p in m.parameters():  # far from the identity-ish init, so errors would show
         torch.nn.init.normal_(p, std=0.3)
@@ -22,7 +26,8 @@ def drafter(nh=4, nkv=2, seed=0, **mla):
 
 
 @pytest.mark.parametrize("nh, nkv, mla", [(4, 2, {}), (4, 4, {}), (2, 1, {}), (4, 4, MLA),
-                                          (3, 3, {**MLA, "q_lora_rank": None})])
+                                          (3, 3, {**MLA, "q_lora_rank": None}), (4, 2, V31),
+                                          (4, 4, {**MLA, **V31})])
 @pytest.mark.parametrize("steps", [1, 3, 7])
 def test_ttt_matches_inference_chain(nh, nkv, mla, steps):
     m = drafter(nh, nkv, **mla)
@@ -76,7 +81,7 @@ def test_padding_does_not_leak_into_real_positions():
 def test_mla_rotary_turns_adjacent_pairs():
     """DeepSeek's rope (vLLM: is_neox_style=False): pair i is (x[2i], x[2i+1]), turned by
     pos * theta^(-2i/d) as a complex number, unlike Llama's halves (x[i], x[i + d/2])."""
-    from draftsmith.drafter import rotate, rotate_pairs
+    from draftsmith.drafters.layers import rotate, rotate_pairs
 
     x = torch.randn(2, 3, 5, 8, dtype=torch.double)
     pos = torch.arange(5) + 7

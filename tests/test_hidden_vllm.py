@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPORT, copy_repo, dvc
+from conftest import REPORT, cached_checkout, dvc
 from test_pipeline_dvc import brought_up_to_date, set_params
 from test_vllm import COMMAND, EXTRA, SMALL
 from test_vllm_mla import MLA
@@ -46,10 +46,7 @@ RTOL = 2**-7
 def build(tmp_path_factory, name: str, params: dict, again: str = "benchmark") -> dict:
     """The toy's pipeline through `dvc repro benchmark` with the hf engine (the run cache has it
     when the vLLM tests built it), then again through `again` with hidden.engine: vllm."""
-    repo = copy_repo(tmp_path_factory.mktemp(name))
-    cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", Path.home() / ".cache/draftsmith"))
-    dvc("config", "--local", "cache.dir", str(cache / "dvc-cache"), cwd=repo)
-    set_params(repo, params)
+    repo = cached_checkout(tmp_path_factory, name, params)
     dvc("repro", "benchmark", cwd=repo)
     hf = {"states": states(repo / "data/hidden"), "acceptance": acceptance(repo)}
     # Small shards: the killed-server test below needs several.

@@ -6,7 +6,7 @@ import torch
 
 from draftsmith import speculative
 from draftsmith.lossless import check_greedy, check_sampled, ks_uniform
-from draftsmith.speculative import Eagle3Proposer
+from draftsmith.drafters.eagle3 import Eagle3Proposer
 
 from conftest import random_drafter, tiny_llama
 

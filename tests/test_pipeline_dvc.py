@@ -84,6 +84,22 @@ def test_train_param_reruns_only_train_and_what_follows(repo):
     assert ran(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
 
 
+def test_the_method_param_reruns_only_train_and_what_follows(repo):
+    """`train.method` changes the drafter, not the data: the same hidden states serve every
+    method (each reads the artifact's aux layers), so nothing before train reruns; and back
+    on EAGLE-3 its run comes from DVC's run cache."""
+    set_params(repo, {"train": {"method": "dflash"}})
+    assert ran(dvc("repro", cwd=repo)) == ["train", "export", "benchmark"]
+    assert json.loads((repo / "metrics/train.json").read_text())["method"] == "dflash"
+    bench = json.loads((repo / "metrics/benchmark.json").read_text())
+    assert bench["method"] == "dflash" and bench["results"][0]["lossless"]["lossless"]
+    export = json.loads((repo / "models/export/vllm/config.json").read_text())
+    assert export["architectures"] == ["DFlashDraftModel"]
+    set_params(repo, {"train": {"method": "eagle3"}})
+    proc = dvc("repro", cwd=repo)
+    assert ran(proc) == [] and brought_up_to_date(proc) == ["train", "export", "benchmark"]
+
+
 def test_going_back_to_earlier_params_restores_instead_of_recomputing(repo):
     """DVC's run cache keeps every run of the stages after hidden (whose out persists for
     resuming): back on the first run's lr, train, export and benchmark come back from it, and

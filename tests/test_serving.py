@@ -131,7 +131,18 @@ def test_vllm_and_sglang_command_lines(tmp_path):
                                    "num_speculative_tokens": 3}
     sg = shlex.join(speculative_args("sglang", tmp_path, 3))
     assert "--speculative-algorithm EAGLE3" in sg and "--speculative-num-steps 3" in sg
-    assert "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in sg
+    assert "--speculative-num-draft-tokens 4 --speculative-num-steps 3" in sg
+    assert "--speculative-eagle-topk 1" in sg
+    # A DFlash export says so in its config: vLLM's method dflash (its only way to tell),
+    # SGLang's DFLASH with the whole block verified, no chain flags.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"draftsmith": {"speculative_method": "dflash"}}))
+    assert json.loads(speculative_args("vllm", tmp_path, 3)[1])["method"] == "dflash"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"draftsmith": {"speculative_method": "DFLASH"}}))
+    sg = speculative_args("sglang", tmp_path, 3)
+    assert shlex.join(sg).startswith("--speculative-algorithm DFLASH")
+    assert "--speculative-num-draft-tokens" in sg and "--speculative-num-steps" not in sg
 
 
 @pytest.mark.parametrize("params, needle", [

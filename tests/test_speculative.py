@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from draftsmith import speculative
-from draftsmith.drafter import DrafterCache, DrafterConfig, Eagle3Drafter
+from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
+from draftsmith.drafters.layers import KVCache
 from draftsmith.capture import capture
-from draftsmith.speculative import Eagle3Proposer, SpecStats, TargetProposer
+from draftsmith.speculative import SpecStats, TargetProposer
 
 from conftest import random_drafter as tiny_drafter
 from conftest import tiny_llama
@@ -124,7 +126,7 @@ def uncached_generate(model, proposer, prompt_ids, *, k, aux_layers, max_new_tok
     stats = SpecStats(accepted_at=[0] * k, reached=[0] * k)
     ids = torch.tensor(prompt_ids)
     aux, logits = target_forward(ids)
-    out = [int(speculative._pick(logits[-1], temperature, gen)[0])]
+    out = [int(speculative.pick(logits[-1], temperature, gen)[0])]
     while out[-1] != eos_id and len(out) < max_new_tokens:
         seq = torch.cat([ids, torch.tensor(out)])
         n = len(seq)
@@ -152,7 +154,7 @@ def uncached_generate(model, proposer, prompt_ids, *, k, aux_layers, max_new_tok
             if d == eos_id:
                 break
         else:
-            emitted.append(int(speculative._pick(p_rows[k], temperature, gen)[0]))  # bonus
+            emitted.append(int(speculative.pick(p_rows[k], temperature, gen)[0]))  # bonus
         stats.emitted += len(emitted)
         out += emitted
     if eos_id in out:
@@ -186,7 +188,7 @@ def test_drafter_cache_across_rounds_matches_a_full_prefill():
     rounds = [7] + [1, 4, 2, 5, 3] * 15
     aux = torch.randn(1, sum(rounds), 72, dtype=torch.double)
     tokens = torch.randint(0, 50, (1, sum(rounds)))
-    cache, n, steps = DrafterCache(), 0, 4
+    cache, n, steps = KVCache(), 0, 4
     for m in rounds:
         chain_tokens = torch.randint(0, 50, (steps,))  # this round's drafts
         feed = lambda j, _: chain_tokens[j]  # noqa: E731

@@ -7,10 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import export, generate, hidden, tokenization, train, vocab
+from draftsmith import export, train
 from draftsmith.checkpoint import DRAFTER_WEIGHTS
-from draftsmith.config import (ExportConfig, GenerateConfig, HiddenConfig, TokenizeConfig,
-                               TrainConfig, VocabConfig)
+from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import read_info
 from draftsmith.train.loop import Trainer
@@ -20,15 +19,8 @@ TRAIN = TrainConfig(steps=60, seq_len=256, batch_size=2, lr=3e-3, ttt_steps=3, e
 
 
 @pytest.fixture(scope="module")
-def data(toy_target, tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    generate.run(GenerateConfig(num_samples=96, max_new_tokens=96, batch_size=32), toy_target,
-                 d / "raw")
-    tokenization.run(TokenizeConfig(on_format_error="drop"), toy_target, d / "raw", d / "tok")
-    info = read_info(toy_target)
-    vocab.run(VocabConfig(draft_vocab_size=128), d / "tok", info.vocab_size, d / "vocab")
-    hidden.run(HiddenConfig(dtype="float32"), toy_target, d / "tok", d / "hidden")
-    return d
+def data(toy_data):
+    return toy_data
 
 
 @pytest.fixture(scope="module")

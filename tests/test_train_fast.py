@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.train.data import Batch, pack
-from draftsmith.train.loss import target_view, ttt_loss, ttt_loss_reference
+from draftsmith.losses import target_view, ttt_loss, ttt_loss_reference
 
 V, VD, HT = 50, 20, 24
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -216,19 +217,23 @@ def test_gpu_fast_path_matches_reference_in_bf16(compile, arch):
 
 
 @cuda
-@pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_gpu_bf16_layer_matches_the_fp64_reference(arch):
-    """The drafter layer, grouped-query or MLA, as the train stage runs it on a GPU (bf16
-    autocast, compiled flex TTT attention, values narrower than keys for MLA) against the dense
-    reference in float64, same weights and packed row: every TTT step's states and every
-    gradient of a fixed random projection of them within bf16's error. (On the CPU, bf16
-    autocast with the reference attention lands at 0.3-0.7% on the states, < 1% on gradients.)"""
+@pytest.mark.parametrize("arch, method", [("llama", "eagle3"), ("mla", "eagle3"),
+                                          ("llama", "eagle3.1"), ("mla", "eagle3.1")])
+def test_gpu_bf16_layer_matches_the_fp64_reference(arch, method):
+    """The drafter layer, grouped-query or MLA, EAGLE-3 or 3.1 (normed aux states and carried
+    states), as the train stage runs it on a GPU (bf16 autocast, compiled flex TTT attention,
+    values narrower than keys for MLA) against the dense reference in float64, same weights
+    and packed row: every TTT step's states and every gradient of a fixed random projection of
+    them within bf16's error. (On the CPU, bf16 autocast with the reference attention lands at
+    0.3-0.7% on the states, < 1% on gradients.)"""
     import copy
 
     from draftsmith.ttt_flex import compiled_ttt_attention_flex, document_block_mask
 
     mla = KIMI_MLA if arch == "mla" else {}
-    m, batch, _ = _gpu_case(1024, H=1024, I=2048, nh=8, nkv=8 if mla else 2, Vd=4000, **mla)
+    v31 = dict(method=method, fc_norm=True, norm_output=True) if method == "eagle3.1" else {}
+    m, batch, _ = _gpu_case(1024, H=1024, I=2048, nh=8, nkv=8 if mla else 2, Vd=4000, **mla,
+                            **v31)
     steps, T = 7, batch.ids.shape[1]
     next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -290,7 +295,7 @@ def test_bf16_working_copy_carries_autocast_gradients_to_fp32_master_weights(dev
     trainer = Trainer(cfg, rt, m, TargetHead(None, None, head, None))
     work = trainer.compute
     assert work is not m and work.embed_tokens.weight is m.embed_tokens.weight  # shared
-    loss, _ = trainer.loss(batch)
+    loss, _ = trainer.loss(batch, seed=0)
     loss.backward()
     trainer.working.grads_to_master()
     torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
@@ -374,7 +379,7 @@ def test_weight_gradient_adds_bf16_products_into_fp32(device):
     """loss.add_mm: acc += a @ b with bf16 a, b and an fp32 acc. On a GPU cuBLAS adds the fp32
     product itself: fp32-accurate (a bf16-rounded product, the fallback, is 100x off that);
     on the CPU the fallback's error stays within bf16 rounding of the product."""
-    from draftsmith.train.loss import add_mm
+    from draftsmith.losses import add_mm
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(300, 1000, generator=g).to(torch.bfloat16)

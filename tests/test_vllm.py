@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, REPORT, copy_repo, dvc
+from conftest import REPO, REPORT, cached_checkout, dvc
 from test_pipeline_dvc import set_params
 from toys import TINY_TARGET
 from draftsmith import benchmark, generate
@@ -86,10 +86,7 @@ def vllm_running() -> bool:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     """A checkout with the small toy (SMALL) built through `dvc repro export`."""
-    repo = copy_repo(tmp_path_factory.mktemp("small"))
-    cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", Path.home() / ".cache/draftsmith"))
-    dvc("config", "--local", "cache.dir", str(cache / "dvc-cache"), cwd=repo)
-    set_params(repo, SMALL)
+    repo = cached_checkout(tmp_path_factory, "small", SMALL)
     dvc("repro", "export", cwd=repo)
     return repo
 

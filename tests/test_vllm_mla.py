@@ -7,14 +7,13 @@ A small MLA toy keeps this to a few minutes; `make repro` with `target.model: em
 builds the full-size one (figures in the README)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, REPORT, copy_repo, dvc
+from conftest import REPO, REPORT, cached_checkout, dvc
 from test_pipeline_dvc import set_params
 from toys import TINY_MLA_TARGET
 from test_vllm import COMMAND, EXTRA, cpu_server, held_out_greedy
@@ -39,10 +38,7 @@ MLA = {
 def repo(tmp_path_factory) -> Path:
     """A checkout with the MLA toy's whole pipeline run through `dvc repro`, the benchmark
     stage serving the target and its exported drafter in vLLM."""
-    repo = copy_repo(tmp_path_factory.mktemp("mla"))
-    cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", Path.home() / ".cache/draftsmith"))
-    dvc("config", "--local", "cache.dir", str(cache / "dvc-cache"), cwd=repo)
-    set_params(repo, MLA)
+    repo = cached_checkout(tmp_path_factory, "mla", MLA)
     dvc("repro", cwd=repo)
     return repo
 

@@ -3,7 +3,8 @@
     python tools/code_deps.py           # exit 1 and name the stages whose deps have drifted
     python tools/code_deps.py --write   # rewrite dvc.yaml's code deps to the closures
 
-The closure follows every import statement, function-level ones included (they run too), from
+The closure follows every import statement, function-level ones included (they run too), but
+not those under `if TYPE_CHECKING:` (annotations only: they never run), from
 the stage script through `draftsmith` and `draftsmith_kernels` (kernels/), and adds the
 non-Python files a module names next to it (soft_ce.py compiles soft_ce.cu). Data deps (any
 other path) are kept as written. tests/test_code_deps.py holds dvc.yaml to this.
@@ -33,10 +34,23 @@ def module_file(name: str) -> Path | None:
     return None
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (imports for annotations: never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
 def imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

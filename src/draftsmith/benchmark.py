@@ -21,13 +21,13 @@ from tqdm.auto import tqdm
 from draftsmith.artifacts import SAMPLES_FILE
 from draftsmith.atomic import read_jsonl
 from draftsmith.config import BenchmarkConfig, ServerConfig
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.drafters import DrafterConfig, build, method_of
 from draftsmith.errors import DraftsmithError
 from draftsmith.lossless import check_greedy, check_sampled
 from draftsmith.prompts import builtin_prompts, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.serving.engines import ENGINES, REFERENCE
-from draftsmith.speculative import Eagle3Proposer, SpecStats, generate
+from draftsmith.speculative import SpecStats, generate
 
 
 def held_out_prompts(cfg: BenchmarkConfig, raw_dir: Path):
@@ -68,15 +68,16 @@ def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_
     return total.summary(), outputs
 
 
-def random_drafter(trained: Eagle3Drafter, seed: int) -> Eagle3Drafter:
-    """Same shape, vocab map and (frozen, shared) embeddings; every trained weight random.
-    Initialised on the CPU (the same weights on any device), then put where `trained` is."""
+def random_drafter(trained, seed: int):
+    """Same method and shape, vocab map and the tensors shared with the target; every trained
+    weight random. Initialised on the CPU (the same weights on any device), then put where
+    `trained` is."""
     torch.manual_seed(seed)
-    d = Eagle3Drafter(DrafterConfig(**{**trained.config.to_dict(),
-                                       "aux_layers": trained.config.aux_layers}))
-    d.embed_tokens.weight.data.copy_(trained.embed_tokens.weight)
-    d.d2t.copy_(trained.d2t)
-    d.t2d.copy_(trained.t2d)
+    d = build(DrafterConfig.from_dict(trained.config.to_dict()))
+    for name in trained.SHARED:
+        d.get_parameter(name).data.copy_(trained.get_parameter(name))
+    for name, buffer in trained.named_buffers():  # the vocab maps
+        d.get_buffer(name).copy_(buffer)
     return d.to(trained.fc.weight).eval()
 
 
@@ -89,7 +90,11 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
     reference engine runs on `device` (None: CUDA when there is one, else the CPU)."""
     from draftsmith.target_info import read_info
 
+    from draftsmith.checkpoint import read_drafter_config
+
     info = read_info(target_dir)
+    drafter = read_drafter_config(drafter_dir)
+    method_of(drafter).check_k(drafter, cfg.num_speculative_tokens)  # before any work
     prompts, excluded = held_out_prompts(cfg, raw_dir)
     for engine in cfg.engines:
         if engine != REFERENCE:
@@ -125,6 +130,7 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
     first = by_engine[cfg.engines[0]]
     greedy = next((r for r in first if r["temperature"] == 0), first[0])
     metrics = {
+        "method": drafter.method,
         "acceptance_length": greedy["acceptance_length"],
         "acceptance_rate_per_position": greedy["acceptance_rate_per_position"],
         "k": cfg.num_speculative_tokens,
@@ -206,18 +212,18 @@ def reference_acceptance(cfg: BenchmarkConfig, judge: TargetJudge, drafter_dir: 
     from draftsmith.checkpoint import load_drafter
 
     model = judge.model
-    drafter = load_drafter(drafter_dir, model.get_input_embeddings().weight)
-    drafter = drafter.to(model.device, model.dtype)
+    drafter = load_drafter(drafter_dir, model).to(model.device, model.dtype)
+    method = method_of(drafter.config)
     common = dict(k=cfg.num_speculative_tokens, aux_layers=list(drafter.config.aux_layers),
                   max_new_tokens=cfg.max_new_tokens, eos_id=judge.eos, seed=cfg.seed)
     results = []
     for temp in cfg.temperatures:
         t0 = time.time()
-        summary, outputs = measure(model, Eagle3Proposer(drafter), judge.prompt_ids,
+        summary, outputs = measure(model, method.proposer(drafter), judge.prompt_ids,
                                    temperature=temp, desc=f"benchmark T={temp}", **common)
         results.append({"temperature": temp, **summary, "wall_s": round(time.time() - t0, 1),
                         "lossless": judge.verdict(outputs, temp)})
-    baseline, _ = measure(model, Eagle3Proposer(random_drafter(drafter, cfg.seed)),
+    baseline, _ = measure(model, method.proposer(random_drafter(drafter, cfg.seed)),
                           judge.prompt_ids, temperature=0.0, desc="benchmark random drafter",
                           **common)
     return results, baseline

@@ -12,7 +12,7 @@ import yaml
 from draftsmith.config import load_config
 from draftsmith.errors import DraftsmithError
 
-app = typer.Typer(help="Draftsmith: train EAGLE-3 drafters with a reproducible DVC pipeline.",
+app = typer.Typer(help="Draftsmith: train EAGLE-3, EAGLE-3.1 and DFlash drafters with a reproducible DVC pipeline.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 config_app = typer.Typer(help="Inspect and validate params.yaml.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -52,8 +52,8 @@ def config_check(params: Path = ParamsOpt, set_: list[str] = SetOpt):
 @app.command("validate")
 def validate_export(export_dir: Path = typer.Argument(..., help="an engine export, e.g. models/export/vllm"),
                     target: Path = typer.Option(Path("models/target"), help="target artifact")):
-    """Check an EAGLE-3 export (keys, shapes, dtypes, d2t offsets, aux layer ids) against the
-    target; exit 2 naming every problem."""
+    """Check a drafter export of any method (keys, shapes, dtypes, d2t offsets, aux layer ids,
+    the method's own flags) against the target; exit 2 naming every problem."""
     from draftsmith.export import validate
     from draftsmith.target_info import read_info
 

@@ -27,6 +27,11 @@ EMBEDDED_MLA = "embedded-mla"  # the same toy as a DeepSeek-V3 model (MLA + MoE)
 # rerun only the stages that use it. tests/test_engines.py holds these equal to the table.
 ENGINE_NAMES = ("vllm", "sglang")
 BENCHMARK_ENGINES = ("reference", "vllm")
+# The drafter methods (drafters.METHODS, held equal by tests/test_methods.py) and the drafter
+# layers the engines load each with (vLLM: llama_eagle3.py and deepseek_eagle3.py take both
+# EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only).
+METHOD_NAMES = ("eagle3", "eagle3.1", "dflash")
+METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflash": ("llama",)}
 
 
 class _Section(BaseModel):
@@ -189,7 +194,17 @@ class HiddenConfig(_Section):
         return self
 
 
+class DFlashConfig(_Section):
+    """train.method: dflash (drafters/dflash.py)."""
+    num_layers: int = Field(1, ge=1, le=64)
+    block_size: int = Field(4, ge=2, le=64)
+    anchors: int = Field(512, ge=1)
+    gamma: float = Field(4.0, gt=0)
+    loss: Literal["ce", "soft_ce"] = "ce"
+
+
 class TrainConfig(_Section):
+    method: Literal[METHOD_NAMES] = "eagle3"
     init: str = "copy"
     drafter_arch: Literal["llama", "mla"] = "llama"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -212,6 +227,18 @@ class TrainConfig(_Section):
     save_every: int = Field(200, ge=0)
     log_every: int = Field(10, ge=1)
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    dflash: DFlashConfig = DFlashConfig()
+
+    @model_validator(mode="after")
+    def _servable(self):
+        if self.drafter_arch not in METHOD_ARCHS[self.method]:
+            layers = " or ".join(METHOD_ARCHS[self.method])
+            raise ValueError(
+                f"method {self.method} with drafter_arch {self.drafter_arch}: no engine serves "
+                f"that (vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
+                f"qwen3_dflash.py). Set drafter_arch: {layers}, or method: eagle3 or eagle3.1 "
+                "for an MLA drafter")
+        return self
 
     @model_validator(mode="after")
     def _init_exists(self):
@@ -367,6 +394,15 @@ def check_static(cfg: Config) -> None:
         raise ConfigError(
             f"hidden.engine is '{cfg.hidden.engine}' but server.engine is '{cfg.server.engine}'",
             f"set server.engine: {cfg.hidden.engine} (hidden states are captured in vLLM only)")
+    if cfg.train.method == "dflash" \
+            and cfg.train.dflash.block_size != cfg.benchmark.num_speculative_tokens + 1:
+        b, k = cfg.train.dflash.block_size, cfg.benchmark.num_speculative_tokens
+        raise ConfigError(
+            f"train.dflash.block_size={b} drafts {b - 1} tokens a step (the anchor and "
+            f"{b - 1} masks, seen at once), but benchmark.num_speculative_tokens={k}: an engine "
+            "asked for another count changes every draft (vLLM never reads the block size)",
+            f"set train.dflash.block_size: {k + 1}, or benchmark.num_speculative_tokens: "
+            f"{b - 1}")
     emb = cfg.target.embedded
     if cfg.target.is_embedded:
         needed = cfg.generate.max_new_tokens + 96

@@ -62,3 +62,35 @@ def plot_acceptance(by_engine: dict[str, list[dict]], baseline: dict | None, pat
     ax.set_title("Drafter acceptance per position (held-out prompts)")
     ax.legend(fontsize=7)
     _save(plt, fig, path)
+
+
+def plot_methods(rows: list[dict], path: Path) -> None:
+    """The drafter methods side by side (benchmarks/methods.py): acceptance rate per draft
+    position (reference engine bars, vLLM dots), and the speedup each implies as the target's
+    forward grows against the drafter's (tau / (1 + cost / X))."""
+    plt = _figure()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    k = rows[0]["k"]
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        xs = [p + 1 + (i - len(rows) / 2 + 0.5) * width for p in range(k)]
+        al = r["acceptance_length_reference"]["T0.0"]
+        bars = a.bar(xs, r["acceptance_per_position_reference_T0"], width,
+                     label=f"{r['method']} (AL {al:.2f})")
+        if r["acceptance_per_position_vllm_T0"]:
+            a.plot(xs, r["acceptance_per_position_vllm_T0"], "o", color="black", ms=3,
+                   label="vLLM" if i == 0 else None)
+        xs_ = [2 ** (e / 4) for e in range(4, 33)]
+        b.plot(xs_, [al / (1 + r["draft_cost_in_eagle3_forwards"] / x) for x in xs_],
+               color=bars.patches[0].get_facecolor(), label=r["method"])
+    a.set_xticks(range(1, k + 1))
+    a.set_xlabel("draft position")
+    a.set_ylabel("acceptance rate (T=0)")
+    a.set_ylim(0, 1)
+    a.legend(fontsize=7)
+    b.set_xscale("log")
+    b.set_xlabel("target forward / one EAGLE-3 drafter forward (weight bytes)")
+    b.set_ylabel("implied speedup")
+    b.legend(fontsize=7)
+    fig.suptitle("Drafter methods on the same target and data")
+    _save(plt, fig, path)

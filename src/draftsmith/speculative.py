@@ -1,9 +1,9 @@
-"""A reference speculative-decoding engine: chain drafts of k tokens, verified by the target.
+"""A reference speculative-decoding engine: drafts of k tokens, verified by the target.
 
-Each round: the drafter proposes k tokens from the target's aux hidden states (exactly as an
-engine feeds an EAGLE-3 drafter: step 0 over the newly verified positions, then k - 1 chained
-steps); one target forward over the drafts verifies them. Greedy: a draft is accepted while it
-equals the target's argmax. Sampling: draft x ~ q is accepted with probability
+Each round: the drafter's method proposes k tokens from the target's aux hidden states
+(drafters/: EAGLE-3 as an engine feeds it, step 0 over the newly verified positions, then k - 1
+chained steps; DFlash one block over them); one target forward over the drafts verifies them.
+Greedy: a draft is accepted while it equals the target's argmax. Sampling: draft x ~ q is accepted with probability
 min(1, p(x)/q(x)); on rejection the replacement is drawn from norm(max(0, p - q)); after k
 acceptances a bonus token is drawn from p. The output is then distributed exactly as the
 target's own sampling (Leviathan et al. 2023), which tests/test_speculative.py checks
@@ -12,7 +12,7 @@ statistically.
 Both models keep a KV cache across rounds, so each round costs what it would in an engine: the
 target runs over the last emitted token + the k drafts, then drops the rejected drafts' keys;
 the drafter appends the newly verified positions (their aux states come from that same
-verification forward) and runs its k chained steps. Everything stays on the target's device;
+verification forward) and drafts again. Everything stays on the target's device;
 the host reads tokens only where it decides on them.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from draftsmith.drafter import DrafterCache
 from draftsmith.capture import capture
+from draftsmith.drafters.base import Proposer, pick
 
 
 @dataclass
@@ -65,42 +65,7 @@ class SpecStats:
         }
 
 
-class Eagle3Proposer:
-    """Drafts with a trained EAGLE-3 drafter fed the target's aux hidden states."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter.eval()
-        self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)
-        self.cache = DrafterCache()  # the current sequence's
-
-    @torch.no_grad()
-    def propose(self, aux, ids, k: int, temperature: float, gen: torch.Generator):
-        """ids: the sequence so far (n tokens); aux: (m, 3H) the target's aux states at the last
-        m of its positions 0..n-2, those the drafter has not seen (m = n - 1: a new sequence).
-        Returns k target-vocab draft ids (k,) and, when sampling, their q rows (k, V) over the
-        target vocab."""
-        d = self.drafter
-        n, m = len(ids), len(aux)
-        if m == n - 1:
-            self.cache = DrafterCache()
-        assert self.cache.length + m == n - 1, "aux must cover the positions the drafter lacks"
-        drafts, qs = [], []
-
-        def pick(_j, logits):
-            tok, q = _pick(logits, temperature, gen)
-            drafts.append(self.draft_ids[tok])
-            if q is not None:
-                full = torch.zeros(d.config.vocab_size, dtype=q.dtype, device=q.device)
-                full[self.draft_ids] = q
-                qs.append(full)
-            return drafts[-1]
-
-        logits = d.chain(aux[None].to(d.fc.weight.dtype), ids[None, n - m:], k, pick, self.cache)
-        pick(k - 1, logits[-1])  # the last step's draft (the chain only asks for k - 1)
-        return torch.stack(drafts), (torch.stack(qs) if qs else None)
-
-
-class TargetProposer:
+class TargetProposer(Proposer):
     """The target drafting for itself (a perfect drafter at greedy: acceptance k + 1)."""
 
     def __init__(self, model):
@@ -111,19 +76,11 @@ class TargetProposer:
         drafts, qs = [], []
         for _ in range(k):
             logits = self.model(input_ids=torch.cat([ids, *drafts])[None]).logits[0, -1]
-            tok, q = _pick(logits, temperature, gen)
+            tok, q = pick(logits, temperature, gen)
             drafts.append(tok[None])
             if q is not None:
                 qs.append(q)
         return torch.cat(drafts), (torch.stack(qs) if qs else None)
-
-
-def _pick(logits, temperature: float, gen):
-    """-> (token as a 0-d tensor on the logits' device, its distribution or None at greedy)."""
-    if temperature <= 0:
-        return logits.argmax(), None
-    q = torch.softmax(logits.double() / temperature, -1)
-    return torch.multinomial(q, 1, generator=gen)[0], q
 
 
 @torch.no_grad()
@@ -155,7 +112,7 @@ def generate(model, proposer, prompt_ids: list[int], *, k: int, aux_layers: list
     seq = torch.tensor(prompt_ids, device=device)
     # Prefill: the first token from the target; the drafter has seen none of the positions.
     new_aux, final = target_forward(model, seq, aux_layers, cache)
-    emitted = [int(_pick(target_logits(model, final[-1]), temperature, gen)[0])]
+    emitted = [int(pick(target_logits(model, final[-1]), temperature, gen)[0])]
     out = list(emitted)
     while out[-1] != eos_id and len(out) < max_new_tokens:
         seq = torch.cat([seq, torch.tensor(emitted, device=device)])

@@ -1,6 +1,6 @@
 """What the pipeline knows about each serving engine, in one table: how to launch it, where its
-responses put the reasoning, how to make it draft with an exported EAGLE-3 drafter, which
-counters report acceptance, and how its export names the aux layers.
+responses put the reasoning, how to make it draft with an exported drafter, which counters
+report acceptance, and how its EAGLE-3 export names the aux layers.
 
 server.py, client.py, acceptance.py, benchmark.py and export.py read this table and branch on
 nothing else, so adding an engine is one entry here, its name in config.py's ENGINE_NAMES (kept
@@ -39,7 +39,9 @@ class Engine:
     # the reasoning stays inline in `content`, verbatim.
     think_parsers: tuple[str, str] | None
     reasoning_fields: tuple[str, ...]  # response message fields a parser puts reasoning in
-    speculative_args: Callable[[Path, int], list[str]]  # (drafter export, k) -> arguments
+    # (drafter export, k, method in the engine's words) -> arguments that make it draft so
+    speculative_args: Callable[[Path, int, str], list[str]]
+    default_method: str  # the engine's name for EAGLE-3 (an export that names no method)
     spec_metrics: SpecMetrics | None  # None: acceptance cannot be read from the server
     # Aux layer ids: ours (and vLLM's) are k = the hidden state entering target layer k; the
     # engine's id is k - aux_id_offset.
@@ -57,16 +59,20 @@ class Engine:
         return [k - self.aux_id_offset for k in aux_layers]
 
 
-def _vllm_speculative(draft_dir: Path, k: int) -> list[str]:
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+def _vllm_speculative(draft_dir: Path, k: int, method: str) -> list[str]:
+    # method: eagle3 (EAGLE-3 and 3.1) or dflash. vLLM tells DFlash by this name only (or by
+    # "dflash" in the path: config/speculative.py), never by the architecture; a DFlash block
+    # is then the last token and k masks.
+    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
     return ["--speculative-config", json.dumps(spec)]
 
 
-def _sglang_speculative(draft_dir: Path, k: int) -> list[str]:
-    # A chain of k steps is topk 1 with k + 1 tokens verified (the bonus included).
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(k + 1)]
+def _sglang_speculative(draft_dir: Path, k: int, method: str) -> list[str]:
+    args = ["--speculative-algorithm", method, "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-draft-tokens", str(k + 1)]  # verified: k drafts + one
+    if method == "EAGLE3":  # a chain of k steps, topk 1
+        args += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1"]
+    return args
 
 
 def _vllm_capture(layer_ids: list[int], storage: Path) -> list[str]:
@@ -93,7 +99,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         # in-process generation in test_vllm.py); older releases used `reasoning_content`.
         think_parsers=("qwen3", "deepseek_r1"),
         reasoning_fields=("reasoning", "reasoning_content"),
-        speculative_args=_vllm_speculative,
+        speculative_args=_vllm_speculative, default_method="eagle3",
         spec_metrics=SpecMetrics(
             drafts=_VLLM_SPEC + "num_drafts_total",
             draft_tokens=_VLLM_SPEC + "num_draft_tokens_total",
@@ -112,7 +118,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         # without one. A server launched elsewhere with one answers in `reasoning_content`.
         think_parsers=None,
         reasoning_fields=("reasoning_content",),
-        speculative_args=_sglang_speculative,
+        speculative_args=_sglang_speculative, default_method="EAGLE3",
         spec_metrics=None,
         # SGLang reads id i as the OUTPUT of layer i (`set_eagle3_layers_to_capture` adds one;
         # models/llama.py, qwen3.py, deepseek_v2.py), and only `eagle_config`'s ids

@@ -40,8 +40,16 @@ def reasoning_parser(fmt: ChatFormat, engine: str = DEFAULT) -> str | None:
 
 
 def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
-    """Arguments that make the engine draft with an exported EAGLE-3 drafter, k tokens a step."""
-    return ENGINES[engine].speculative_args(draft_dir, k)
+    """Arguments that make the engine draft with an exported drafter, k tokens a step, by the
+    method its config.json names in the engine's words (`draftsmith.speculative_method`,
+    written by export.py; an export without it is EAGLE-3's)."""
+    import json
+
+    e = ENGINES[engine]
+    f = Path(draft_dir) / "config.json"
+    config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
+    method = config.get("draftsmith", {}).get("speculative_method", e.default_method)
+    return e.speculative_args(draft_dir, k, method)
 
 
 def server_argv(cfg: ServerConfig, *, model_dir: Path, served_name: str, port: int, dtype: str,

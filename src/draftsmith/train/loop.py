@@ -21,19 +21,17 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.atomic import atomic_path
-from draftsmith.checkpoint import SHARED, load_drafter_weights, save_drafter
+from draftsmith.checkpoint import load_drafter_weights, save_drafter
 from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
-from draftsmith.drafter import DrafterConfig, Eagle3Drafter
+from draftsmith.drafters import METHODS, DrafterConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import TargetHead
 from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
                                    schedule)
-from draftsmith.train.loss import target_view, ttt_loss
 from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed, shard_over_world
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
 from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
-from draftsmith.vocab import draft_ids_from_d2t
 
 
 @dataclass
@@ -68,17 +66,19 @@ class Runtime:
                               enabled=self.dtype == torch.bfloat16)
 
 
-def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers) -> Eagle3Drafter:
-    c = drafter_config(cfg, head.config, len(d2t), aux_layers)
+def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers,
+                  mask_token_id: int | None = None):
+    """The drafter `train.method` trains, initialised as `train.init` says; mask_token_id:
+    the target token of DFlash's masked slots (dflash.mask_token_id)."""
+    method = METHODS[cfg.method]
+    c = drafter_config(cfg, head.config, len(d2t), aux_layers, mask_token_id)
     torch.manual_seed(cfg.seed)
-    model = Eagle3Drafter(c)
-    model.embed_tokens.weight.data.copy_(head.embed.float())
-    model.d2t.copy_(d2t)
-    model.t2d.copy_(t2d)
-    if cfg.init == "copy":
-        model.lm_head.weight.data.copy_(head.lm_head.float()[draft_ids_from_d2t(d2t)])
-        model.norm.weight.data.copy_(head.norm.float())
-    elif cfg.init != "scratch":
+    model = method.model(c)
+    shared = {"embed_tokens.weight": head.embed, "lm_head.weight": head.lm_head}
+    for name in model.SHARED:
+        model.get_parameter(name).data.copy_(shared[name].float())
+    method.init_from_target(model, head, d2t, t2d, copy=cfg.init == "copy")
+    if cfg.init not in ("copy", "scratch"):
         load_drafter_weights(model, Path(cfg.init))
     return model
 
@@ -87,11 +87,12 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
               "v_head_dim")
 
 
-def drafter_config(cfg: TrainConfig, tc, draft_vocab_size: int, aux_layers) -> DrafterConfig:
+def drafter_config(cfg: TrainConfig, tc, draft_vocab_size: int, aux_layers,
+                   mask_token_id: int | None = None) -> DrafterConfig:
     """The drafter's shape from the target's text config `tc`: its attention heads, the
     attention kind `train.drafter_arch` (an MLA drafter takes the target's MLA widths, which
     the engine's MLA kernels are built for), the target's MLP width unless
-    `train.intermediate_size` says otherwise."""
+    `train.intermediate_size` says otherwise, and what `train.method` adds."""
     mla = {}
     if cfg.drafter_arch == "mla":
         if not getattr(tc, "kv_lora_rank", None):
@@ -101,7 +102,7 @@ def drafter_config(cfg: TrainConfig, tc, draft_vocab_size: int, aux_layers) -> D
                 "set train.drafter_arch: llama for a grouped-query target")
         mla = {k: getattr(tc, k, None) for k in MLA_FIELDS}
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    return DrafterConfig(
+    fields = dict(
         hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
         num_heads=tc.num_attention_heads,
         num_kv_heads=tc.num_attention_heads if mla else tc.num_key_value_heads,
@@ -110,6 +111,8 @@ def drafter_config(cfg: TrainConfig, tc, draft_vocab_size: int, aux_layers) -> D
         vocab_size=tc.vocab_size, draft_vocab_size=draft_vocab_size,
         aux_layers=tuple(aux_layers), rms_norm_eps=tc.rms_norm_eps, rope_theta=_rope_theta(tc),
         max_position_embeddings=tc.max_position_embeddings, arch=cfg.drafter_arch, **mla)
+    return DrafterConfig(**{**fields, **METHODS[cfg.method].config_fields(cfg, tc,
+                                                                         mask_token_id)})
 
 
 def _rope_theta(tc) -> float:
@@ -126,43 +129,39 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     """The drafter (fp32 master weights), the module each step computes with (a bf16 working
-    copy under bf16), the target head on the device, the optimizer, and one TTT step."""
+    copy under bf16), its method's objective (the loss), the optimizer, and one step."""
 
-    def __init__(self, cfg: TrainConfig, rt: Runtime, model: Eagle3Drafter, head: TargetHead,
-                 target=None, w: World = World()):
+    def __init__(self, cfg: TrainConfig, rt: Runtime, model, head: TargetHead, target=None,
+                 w: World = World(), vocab: tuple | None = None):
         """target: online mode's whole target model (on rt.device), run on every batch for
         its states; None when they are stored. w: a torchrun world of more than one process
         makes each step data parallel (DDP over the working copy, or FSDP2 over the fp32
-        weights with train.parallel: fsdp)."""
+        weights with train.parallel: fsdp). vocab: (d2t, t2d), the draft vocab's maps (None:
+        the drafter's own)."""
         self.cfg, self.rt, self.target, self.world = cfg, rt, target, w
+        self.method = METHODS[model.config.method]
         self.fsdp = w.size > 1 and cfg.parallel == "fsdp"
         self.model = model.to(rt.device)
-        # The frozen embedding is only looked up: keep it in the compute dtype (1 GB, not 2,
-        # for a 128K x 4096 table). It is never saved with the drafter.
-        self.model.embed_tokens.to(rt.dtype)
+        # The frozen tensors shared with the target (its embedding, DFlash's lm_head too) are
+        # only read: keep them in the compute dtype (1 GB, not 2, for a 128K x 4096 table).
+        # They are never saved with the drafter.
+        for name in model.SHARED:
+            self.model.get_parameter(name).data = self.model.get_parameter(name).data.to(rt.dtype)
         # FSDP2 casts to the compute dtype itself at each all-gather: no working copy then.
         self.working = WorkingCopy(self.model, torch.float32 if self.fsdp else rt.dtype)
         self.compute = self.working.compute
-        self.head = head.lm_head.to(rt.device, rt.dtype)  # (V, Ht): the target's argmax
-        self.draft_ids = draft_ids_from_d2t(model.d2t).to(rt.device)
-        self.weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
-        self.attend = None
-        if rt.attention == "flex":
-            from draftsmith.ttt_flex import compiled_ttt_attention_flex, ttt_attention_flex
-
-            self.attend = compiled_ttt_attention_flex() if rt.compile else ttt_attention_flex
-        if rt.compile:  # the layer's norms, rotary and MLP fused; shapes are static
-            self.compute.step_qkv = torch.compile(self.compute.step_qkv, dynamic=False)
-            self.compute.midlayer.finish = torch.compile(self.compute.midlayer.finish,
-                                                         dynamic=False)
-            self.compute.norm.forward = torch.compile(self.compute.norm.forward, dynamic=False)
+        d2t, t2d = vocab or (getattr(model, "d2t", None), getattr(model, "t2d", None))
+        self.objective = self.method.objective(cfg, model.config, head, d2t, t2d,
+                                               device=rt.device, dtype=rt.dtype,
+                                               flex=rt.attention == "flex", compile=rt.compile)
+        if rt.compile:
+            self.method.compile(self.compute)
         self.parallel = None  # the whole loss under DDP or FSDP2, with several processes
         if w.size > 1:
             # Each process divides by the global batch's counts over the world size, so the
             # gradients DDP or FSDP average are exactly the global batch's.
             loss_fn = functools.partial(
-                ttt_loss, steps=cfg.ttt_steps, weights=self.weights, kind=cfg.loss,
-                dtype=rt.dtype, per_step_count=lambda n: w.sum_(n.clone()).clamp_min(1) / w.size)
+                self.objective, per_step_count=lambda n: w.sum_(n.clone()).clamp_min(1) / w.size)
             whole = WholeLoss(self.compute, loss_fn)
             self.parallel = (shard_over_world(whole, rt.device, rt.dtype, w) if self.fsdp
                              else data_parallel(whole, rt.device))
@@ -187,7 +186,8 @@ class Trainer:
         optim = get_optimizer_state_dict(module, self.opt, options=whole) if optimizer else None
         if self.fsdp:
             weights, optim = renamed(weights, optim, lambda k: k.removeprefix(PREFIX))
-        return {k: v.contiguous() for k, v in weights.items() if k != SHARED}, optim
+        return {k: v.contiguous() for k, v in weights.items()
+                if k not in self.model.SHARED}, optim
 
     def load_state(self, weights: dict, optim: dict) -> None:
         """The inverse of `state` (every process calls it with the whole state)."""
@@ -199,17 +199,17 @@ class Trainer:
         if self.fsdp:
             weights, optim = renamed(weights, optim, lambda k: PREFIX + k)
         whole = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(module, weights, options=whole)  # all but the shared embedding
+        set_model_state_dict(module, weights, options=whole)  # all but the shared tensors
         set_optimizer_state_dict(module, self.opt, optim, options=whole)
         self.working.weights_from_master()
 
-    def saved_drafter(self) -> Eagle3Drafter:
+    def saved_drafter(self):
         """The trained drafter whole, for save_drafter (under FSDP2 gathered from every
         process: all call it, the main process's copy is the one to save)."""
         if not self.fsdp:
             return self.model
         weights, _ = self.state(optimizer=False)
-        model = Eagle3Drafter(self.model.config)
+        model = self.method.model(self.model.config)
         model.load_state_dict(weights, strict=False)
         return model
 
@@ -230,30 +230,24 @@ class Trainer:
         aux, final = capture_rows(self.target, batch.ids, batch.pos, self.model.config.aux_layers)
         return dataclasses.replace(batch, aux=aux, final=final)
 
-    def loss(self, batch, training: bool = False):
-        """-> (loss, per-step stats (steps, 3) [mean loss, correct, counted]) on the device;
-        training: through DDP (when data parallel), for a backward pass on every process."""
+    def loss(self, batch, seed: int, training: bool = False):
+        """-> (loss, per-position stats (positions, 3) [mean loss, correct, counted]) on the
+        device; seed: the draw of the objective's random choices (DFlash's anchors; the step,
+        so a resumed run draws the same); training: through DDP (when data parallel), for a
+        backward pass on every process."""
         if self.target is not None:
             batch = self.with_target_states(batch)
-        attend = None
-        if self.attend is not None:
-            from draftsmith.ttt_flex import document_block_mask
-
-            mask = document_block_mask(batch.doc)
-            attend = lambda q, k0, v0, ks, vs: self.attend(q, k0, v0, ks, vs, mask)  # noqa: E731
         with self.rt.autocast():
-            view = target_view(batch, self.head, self.draft_ids, self.model.t2d)
             # FSDP2 gathers the weights in its root's forward: evaluation goes through it too.
             if self.parallel is not None and (training or self.fsdp):
-                return self.parallel(batch, view, attend)
-            return ttt_loss(self.compute, batch, view, self.cfg.ttt_steps, self.weights,
-                            self.cfg.loss, attend=attend, dtype=self.rt.dtype)
+                return self.parallel(batch, seed)
+            return self.objective(self.compute, batch, seed)
 
-    def step(self, batch, lr: float):
+    def step(self, batch, lr: float, seed: int = 0):
         """One optimizer step on `batch`; -> (loss, stats) as for `loss`, still on the device."""
         for g in self.opt.param_groups:
             g["lr"] = lr
-        loss, stats = self.loss(batch, training=True)
+        loss, stats = self.loss(batch, seed, training=True)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.working.grads_to_master()
@@ -266,13 +260,14 @@ class Trainer:
         """Per-step top-1 agreement with the target (and loss) on held-out samples (data
         parallel: each process takes its share of the rows, and the sums are added up)."""
         self.compute.eval()
-        total = torch.zeros(self.cfg.ttt_steps, 3, device=self.rt.device)
+        total = torch.zeros(self.objective.positions, 3, device=self.rt.device)
         steps = [split(self.full(rows), self.world)
                  for rows in eval_steps(store, members, self.cfg.seq_len, self.cfg.batch_size)]
         if not self.fsdp:  # (FSDP2: every process takes part in every forward)
             steps = [s for s in steps if any(s)]
-        for batch in loader(store, steps, self.cfg.seq_len, device=self.rt.device, workers=0):
-            _, stats = self.loss(batch.to(self.rt.device, non_blocking=True))
+        batches = loader(store, steps, self.cfg.seq_len, device=self.rt.device, workers=0)
+        for i, batch in enumerate(batches):  # the same draws for every evaluation
+            _, stats = self.loss(batch.to(self.rt.device, non_blocking=True), EVAL_SEED + i)
             total[:, 0] += stats[:, 0] * stats[:, 2]  # mean loss -> summed over positions
             total[:, 1:] += stats[:, 1:]
         self.world.sum_(total)
@@ -283,13 +278,23 @@ class Trainer:
                 "positions": [int(n) for n in count]}
 
 
+EVAL_SEED = 1 << 40  # evaluation's draws, apart from every training step's
+
+
+def step_seed(cfg: TrainConfig, step: int) -> int:
+    """The draw of a training step's random choices: the same on a resumed run."""
+    return cfg.seed * 1_000_003 + step
+
+
 # ----------------------------------------------------------------------------- train
 
 
 def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
           ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None,
-          tokenized_dir: Path | None = None, load_target=None) -> dict:
-    """load_target(device): the whole target, for online mode (the hidden artifact says which)."""
+          tokenized_dir: Path | None = None, load_target=None,
+          mask_token_id: int | None = None) -> dict:
+    """load_target(device): the whole target, for online mode (the hidden artifact says which).
+    mask_token_id: the token of DFlash's masked slots (dflash.mask_token_id)."""
     from draftsmith.vocab import load as load_vocab
 
     w = world()
@@ -306,8 +311,8 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         raise DraftsmithError("hidden.mode is online but the target model was not given",
                               "pass load_target (the train stage does)")
     target = load_target(rt.device) if online else None
-    trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers), head,
-                      target, w)
+    trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers,
+                                             mask_token_id), head, target, w, vocab=(d2t, t2d))
     model = trainer.model
     initial = trainer.evaluate(store, eval_ids)
 
@@ -331,7 +336,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
     trainer.compute.train()
     for step, batch in zip(range(start, cfg.steps), batches):
         batch = batch.to(rt.device, non_blocking=True)
-        loss, stats = trainer.step(batch, _lr(step, cfg))
+        loss, stats = trainer.step(batch, _lr(step, cfg), step_seed(cfg, step))
         tokens += batch.tokens
         if step % cfg.log_every == 0 or step == cfg.steps - 1:  # the only host sync
             loss = w.sum_(loss.detach().clone()) / w.size  # the global batch's, as one process
@@ -364,8 +369,10 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
 
         plot_training(curve, plot_file)
     metrics = {
-        "drafter_arch": model.config.arch,
-        "steps": cfg.steps, "resumed_from_step": start, "ttt_steps": cfg.ttt_steps,
+        "method": model.config.method, "drafter_arch": model.config.arch,
+        "steps": cfg.steps, "resumed_from_step": start,
+        # what eval_accuracy's entries are: TTT steps, or a DFlash block's drafted slots
+        "positions": trainer.objective.positions,
         "eval_accuracy": final["accuracy"], "eval_loss": final["loss"],
         "initial_eval_accuracy": initial["accuracy"],
         "eval_positions": final["positions"][0],

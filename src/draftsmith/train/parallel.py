@@ -1,5 +1,5 @@
 """Data parallel training over a torchrun world: DDP over the working copy, or FSDP2 over the
-fp32 weights (train.parallel: fsdp). Both wrap the whole TTT loss (WholeLoss), not the
+fp32 weights (train.parallel: fsdp). Both wrap the whole loss (WholeLoss), not the
 drafter, since a step calls the drafter's methods rather than its forward.
 """
 
@@ -10,20 +10,19 @@ import inspect
 import torch
 
 from draftsmith.dist import World
-from draftsmith.drafter import Eagle3Drafter
 
 
 class WholeLoss(torch.nn.Module):
     """DistributedDataParallel reduces the gradients of what its module's forward computes, and
     FSDP2 gathers its weights around that forward, so this module's forward is a step's whole
-    TTT loss (which calls the drafter's methods, not its forward)."""
+    loss (the method's objective, which calls the drafter's methods, not its forward)."""
 
-    def __init__(self, compute: Eagle3Drafter, loss_fn):
+    def __init__(self, compute: torch.nn.Module, loss_fn):
         super().__init__()
         self.compute, self.loss_fn = compute, loss_fn
 
-    def forward(self, batch, view, attend):
-        return self.loss_fn(self.compute, batch, view, attend=attend)
+    def forward(self, batch, seed):
+        return self.loss_fn(self.compute, batch, seed)
 
 
 PREFIX = "compute."  # the drafter's names inside WholeLoss
@@ -46,13 +45,15 @@ def shard_over_world(whole: WholeLoss, device: torch.device, dtype: torch.dtype,
     """FSDP2 over all processes: each holds 1/world of the fp32 weights, gradients and AdamW
     state; a step gathers the weights in the compute dtype and reduce-scatters fp32 gradients.
     The frozen embedding (already in the compute dtype) is a group of its own, since a group
-    holds one dtype; sharded too, so no process keeps the whole table."""
+    holds one dtype; sharded too, so no process keeps the whole table (so is DFlash's frozen
+    lm_head, the target's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (w.size,))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    fully_shard(whole.compute.embed_tokens, mesh=mesh, mp_policy=mp)
+    for name in whole.compute.SHARED:  # "embed_tokens.weight" -> its module
+        fully_shard(whole.compute.get_submodule(name.rsplit(".", 1)[0]), mesh=mesh, mp_policy=mp)
     return fully_shard(whole, mesh=mesh, mp_policy=mp)
 
 

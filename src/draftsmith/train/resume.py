@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.atomic import atomic_path, check_digest, file_sha256, write_json
-from draftsmith.checkpoint import DRAFTER_WEIGHTS, SHARED
+from draftsmith.checkpoint import DRAFTER_WEIGHTS
 from draftsmith.config import TrainConfig
 
 CHECKPOINT_FILES = (DRAFTER_WEIGHTS, "optimizer.pt")
@@ -62,6 +62,6 @@ def load_checkpoint(ckpt_dir: Path, trainer, key: str) -> tuple[int, list]:
                      f"checkpoint of step {state['step']} cannot be resumed)")
     weights = load_file(ckpt_dir / DRAFTER_WEIGHTS)
     missing = set(trainer.model.state_dict()) - set(weights)
-    assert missing == {SHARED}, missing
+    assert missing == set(trainer.model.SHARED), missing
     trainer.load_state(weights, torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
     return state["step"], state["curve"]

@@ -1,14 +1,17 @@
-"""The TTT loss without the full vocabulary.
+"""The drafters' losses without whole-vocabulary logits: EAGLE-3's TTT loss (`ttt_loss` over
+`LinearSoftCE`), and `LinearCE`, the hard-label cross-entropy over a frozen head that DFlash
+drafts through (drafters/ set them up; the training loop never calls them itself).
 
-Alignment, for a sample x: chain t at step j predicts x[t+2+j], supervised by the target's
+TTT alignment, for a sample x: chain t at step j predicts x[t+2+j], supervised by the target's
 distribution at position p = t+1+j over the draft vocab, counted where x[p+1] is a response
 token of the same sample and the target's top token (full vocab) is in the draft vocab.
 
 Memory: the target's logits over the full vocab exist only a chunk of rows at a time (for its
 argmax); over the draft vocab once per batch. The drafter's logits exist only a group of rows
 at a time too (at most 4 chunks): `LinearSoftCE` computes lm_head, the soft cross-entropy and
-its gradient group by group in the forward pass (the fused kernel in `draftsmith_kernels.soft_ce`, or its PyTorch
-reference), keeping only the gradients, (T, H) and (Vd, H), for the backward pass.
+its gradient group by group in the forward pass (the fused kernel in
+`draftsmith_kernels.soft_ce`, or its PyTorch reference), keeping only the gradients, (T, H)
+and (Vd, H), for the backward pass.
 
 `ttt_loss_reference` is the plain version (full logits, autograd) the tests hold this to.
 """
@@ -16,12 +19,15 @@ reference), keeping only the gradients, (T, H) and (Vd, H), for the backward pas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.train.data import Batch
 from draftsmith_kernels.soft_ce import soft_ce
+
+if TYPE_CHECKING:  # importing the train package would make every stage that imports a drafter
+    from draftsmith.train.data import Batch  # method depend on the training loop
 
 CHUNK_ROWS = 4096  # rows of logits alive at once: the target's 4096 x 128K x 2 bytes = 1 GB
 
@@ -156,6 +162,58 @@ class SharedGrad:
     def take(self, grad_loss):
         dw, self.dw = self.dw, None
         return None if dw is None else dw * grad_loss
+
+
+class LinearCE(torch.autograd.Function):
+    """sum over rows of scale * CE(x @ weight.T, labels): hard-label cross-entropy over a frozen
+    head (DFlash drafts through the target's own lm_head over its whole vocab), its gradient to
+    x computed in the forward pass `chunk` rows at a time, so only one chunk's logits exist.
+
+    x: (B, L, H); weight: (V, H), frozen; labels: (B, L) int64 (any id where scale is 0);
+    scale: (B, L) fp32. Returns (loss, ce, agree) as LinearSoftCE. Per chunk: one GEMM for the
+    logits, softmax minus one-hot in place in >= fp32, one GEMM for dx."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, scale, dtype, chunk):
+        assert not ctx.needs_input_grad[1], "LinearCE's head is frozen"
+        B, L, H = x.shape
+        w = weight.to(dtype)
+        xs, lab, sc = x.to(dtype).reshape(B * L, H), labels.reshape(-1), scale.reshape(-1)
+        acc = torch.promote_types(dtype, torch.float32)
+        need_dx = ctx.needs_input_grad[0]
+        dx = torch.empty(B * L, H, dtype=dtype, device=x.device) if need_dx else None
+        ce = torch.empty(B * L, dtype=acc, device=x.device)
+        agree = torch.empty(B * L, dtype=torch.bool, device=x.device)
+        loss = torch.zeros((), dtype=acc, device=x.device)
+        with torch.autocast(x.device.type, enabled=False):
+            for a in range(0, B * L, chunk):
+                rows = slice(a, min(B * L, a + chunk))
+                g = (xs[rows] @ w.T).to(acc)  # (rows, V) logits, turned into their gradient
+                y = lab[rows, None]
+                lse = torch.logsumexp(g, -1)
+                c = lse - g.gather(1, y)[:, 0]
+                ce[rows], agree[rows] = c, g.argmax(-1) == y[:, 0]
+                loss += (sc[rows] * c).sum()
+                if need_dx:
+                    g.sub_(lse[:, None]).exp_()  # softmax
+                    g.scatter_add_(1, y, torch.full_like(y, -1, dtype=g.dtype))
+                    g.mul_(sc[rows, None])
+                    torch.mm(g.to(dtype), w, out=dx[rows])
+        ctx.save_for_backward(None if dx is None else dx.view(B, L, H))
+        ctx.x_dtype = x.dtype
+        ctx.mark_non_differentiable(ce, agree)
+        return loss, ce.view(B, L), agree.view(B, L)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _ce, _agree):
+        (dx,) = ctx.saved_tensors
+        gx = None if dx is None else (dx * grad_loss).to(ctx.x_dtype)
+        return gx, None, None, None, None, None
+
+
+def ce_chunk_rows(vocab: int) -> int:
+    """LinearCE's rows per chunk: about 2^28 fp32 logits (1 GB) alive at once."""
+    return max(1, (1 << 28) // vocab)
 
 
 def ttt_loss(model, batch: Batch, view: TargetView, steps: int, weights: list[float], kind: str,
