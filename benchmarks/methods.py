@@ -3,6 +3,7 @@ table and plot.
 
     python benchmarks/methods.py --server-command "<vllm python> src/draftsmith/serving/vllm_cpu.py serve {model}"
     python benchmarks/methods.py --methods eagle3 dflash --set train.steps=100   # quicker, no vLLM
+    python benchmarks/methods.py --methods eagle3 dflash dflash:train.dflash.loss=soft_ce   # variants
 
 In a scratch checkout of this repo that shares its DVC cache (the stages up to `hidden` come
 back from DVC's run cache: the same target, data and hidden states for every method), `dvc
@@ -44,13 +45,13 @@ METHODS = ("eagle3", "eagle3.1", "dflash")
 X_VALUES = (10, 30, 100)
 
 
-def scratch_checkout(dest: Path) -> Path:
-    """The working tree in a git repo of its own, its DVC cache this repo's."""
+def scratch_checkout(dest: Path, cache: Path) -> Path:
+    """The working tree in a git repo of its own, its DVC cache `cache`."""
     sys.path.insert(0, str(REPO / "tools"))
     from checkout import copy_checkout
 
     copy_checkout(REPO, dest)
-    dvc(dest, "config", "--local", "cache.dir", str(REPO / ".dvc" / "cache"))
+    dvc(dest, "config", "--local", "cache.dir", str(cache))
     return dest
 
 
@@ -138,8 +139,12 @@ def target_alone(repo: Path, server_cmd: str, extra: str) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
-def run_method(repo: Path, method: str) -> dict:
-    set_params(repo, [f"train.method={method}"])
+def run_method(repo: Path, spec: str, params: str, base: list[str]) -> dict:
+    """spec: a method, or METHOD:KEY=VALUE[;KEY=VALUE...] (a variant: more params of its own);
+    params: params.yaml as the checkout has it, each run's overrides applied to it afresh."""
+    method, _, extra = spec.partition(":")
+    (repo / "params.yaml").write_text(params)
+    set_params(repo, base + [f"train.method={method}"] + [e for e in extra.split(";") if e])
     t0 = time.time()
     log = dvc(repo, "repro")
     wall = time.time() - t0
@@ -148,7 +153,7 @@ def run_method(repo: Path, method: str) -> dict:
     drafter = read("models/drafter/drafter.json")
     stages = [line.split("'")[1] for line in log.splitlines()
               if line.startswith("Running stage") or "is cached - skipping run" in line]
-    return {"method": method, "benchmark": bench, "train": train, "drafter": drafter,
+    return {"method": method, "run": spec, "benchmark": bench, "train": train, "drafter": drafter,
             "stages_brought_up_to_date": stages, "repro_wall_s": round(wall, 1)}
 
 
@@ -166,10 +171,12 @@ def summarize(runs: list[dict], alone: dict | None) -> list[dict]:
         cost = drafter_costs(c, b["k"], tau)
         in_eagle3 = cost["bytes"] / unit
         rows.append({
-            "method": c["method"], "k": b["k"],
+            "method": c["method"], "run": r["run"], "k": b["k"],
             "acceptance_length_reference": {f"T{t}": x["acceptance_length"] for t, x in ref.items()},
             "acceptance_length_vllm": {f"T{t}": x["acceptance_length"] for t, x in served.items()},
             "acceptance_per_position_reference_T0": ref[0.0]["acceptance_rate_per_position"],
+            "acceptance_per_position_reference": {f"T{t}": x["acceptance_rate_per_position"]
+                                                   for t, x in ref.items()},
             "acceptance_per_position_vllm_T0": served.get(0.0, {}).get(
                 "acceptance_rate_per_position"),
             "lossless_vllm_T0": served.get(0.0, {}).get("lossless", {}).get("lossless"),
@@ -191,16 +198,16 @@ def summarize(runs: list[dict], alone: dict | None) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| method | AL ref T=0 | AL vLLM T=0 | AL ref T=0.6 | per position (vLLM, T=0) | "
+    head = ("| run | AL ref T=0 | AL vLLM T=0 | AL ref T=0.6 | per position (vLLM, T=0) | "
             "vLLM lossless T=0 | forwards/step | MFLOP/step | cost (EAGLE-3 fwd) | "
             + " | ".join(f"speedup X={x}" for x in X_VALUES)
-            + " | vLLM ms/token (alone) | trainable params | train s |")
+            + " | vLLM ms/token (target alone) | trainable params | train s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ref, served = r["acceptance_length_reference"], r["acceptance_length_vllm"]
         alone = r.get("vllm_target_alone_ms_per_token")
         lines.append(
-            f"| {r['method']} | {ref.get('T0.0')} | {served.get('T0.0', 'not run')} | "
+            f"| {r['run']} | {ref.get('T0.0')} | {served.get('T0.0', 'not run')} | "
             f"{ref.get('T0.6', '-')} | {r['acceptance_per_position_vllm_T0'] or '-'} | "
             f"{r['lossless_vllm_T0'] if r['lossless_vllm_T0'] is not None else 'not run'} | "
             f"{r['draft_forwards_per_step']} | {r['draft_mflops_per_step']} | "
@@ -213,7 +220,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="*", default=list(METHODS),
+                    help="methods, or METHOD:KEY=VALUE[;KEY=VALUE] for a variant")
     ap.add_argument("--server-command", help="server.command for vLLM ({model}); without it "
                     "only the reference engine runs")
     ap.add_argument("--extra-args", default="--enforce-eager", help="server.extra_args")
@@ -223,18 +231,22 @@ def main(argv=None):
     ap.add_argument("--plot", type=Path, default=REPO / "plots/methods.png")
     ap.add_argument("--markdown", type=Path, help="also write the table here")
     ap.add_argument("--keep", type=Path, help="run in this folder (kept) instead of a temp one")
+    ap.add_argument("--cache", type=Path, default=REPO / ".dvc" / "cache",
+                    help="the DVC cache to share (default: this repo's)")
     args = ap.parse_args(argv)
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="methods-"))
     work.mkdir(parents=True, exist_ok=True)
-    repo = scratch_checkout(work)
+    repo = scratch_checkout(work, args.cache)
     served = [f"server.command={args.server_command}", f"server.extra_args={args.extra_args}",
               "benchmark.engines=[reference,vllm]"] if args.server_command else []
-    set_params(repo, args.set + served)
+    base, params = [*args.set, *served], (repo / "params.yaml").read_text()
     runs = []
-    for method in args.methods:
-        runs.append(run_method(repo, method))
-        print(f"{method}: acceptance length {runs[-1]['benchmark']['by_engine']}", flush=True)
+    for spec in args.methods:
+        if spec.partition(":")[0] not in METHODS:
+            raise SystemExit(f"{spec}: the method must be one of {', '.join(METHODS)}")
+        runs.append(run_method(repo, spec, params, base))
+        print(f"{spec}: acceptance length {runs[-1]['benchmark']['by_engine']}", flush=True)
     alone = target_alone(repo, args.server_command, args.extra_args) \
         if args.server_command else None
     rows = summarize(runs, alone)

@@ -7,6 +7,7 @@ test_vllm_methods.py.)"""
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -490,3 +491,36 @@ def test_a_broken_export_of_each_method_fails_clearly(trained, toy_target, tmp_p
     with pytest.raises(DraftsmithError) as e:
         export.validate(bad, **_shape(toy_target))
     assert needle in str(e.value)
+
+
+@pytest.mark.e2e
+def test_the_side_by_side_command_runs_at_toy_size(tmp_path):
+    """benchmarks/methods.py (the README's methods table and plot) on the tests' toy, the
+    reference engine only: every method's run brings only train, export and benchmark up to
+    date after the first, and the table, JSON and plot come out."""
+    import os
+    import subprocess
+    import sys
+
+    from test_pipeline_dvc import SMALL
+
+    sets = [f"{section}.{k}={json.dumps(v)}" for section, values in SMALL.items()
+            for k, v in values.items() if not isinstance(v, dict)]
+    sets += [f"target.embedded.{k}={v}" for k, v in SMALL["target"]["embedded"].items()]
+    cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", Path.home() / ".cache/draftsmith"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/methods.py"), "--methods", "eagle3", "dflash",
+         "dflash:train.dflash.loss=soft_ce", "--json", str(tmp_path / "m.json"),
+         "--plot", str(tmp_path / "m.png"), "--markdown", str(tmp_path / "m.md"),
+         "--cache", str(cache / "dvc-cache"), *[a for s in sets for a in ("--set", s)]],
+        capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "m.json").read_text())
+    runs = {r["run"]: r for r in out["methods"]}
+    assert list(runs) == ["eagle3", "dflash", "dflash:train.dflash.loss=soft_ce"]
+    assert runs["dflash"]["stages_brought_up_to_date"] == ["train", "export", "benchmark"]
+    assert runs["eagle3"]["draft_forwards_per_step"] == 3 == out["k"]
+    assert runs["dflash"]["draft_forwards_per_step"] == 1
+    assert runs["eagle3"]["draft_cost_in_eagle3_forwards"] > 3  # k forwards and fc
+    assert (tmp_path / "m.png").stat().st_size > 1000
+    assert (tmp_path / "m.md").read_text().count("\n") == 2 + 3

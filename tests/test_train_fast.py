@@ -366,11 +366,14 @@ def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
     subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
                     "--lengths", "64", "--iters", "1", "--json", str(tmp_path / "r.json"),
                     "--kinds", "naive", "naive_bf16", "reference", "fast",
-                    "--archs", "llama", "mla"],
+                    "--archs", "llama", "mla", "--methods", "eagle3", "eagle3.1", "dflash"],
                    check=True, capture_output=True, timeout=600)
     out = json.loads((tmp_path / "r.json").read_text())
-    assert {(r["arch"], r["kind"]) for r in out["results"]} == {
-        (a, k) for a in ("llama", "mla") for k in ("naive", "naive_bf16", "reference", "fast")}
+    eagle3 = {("eagle3", a, k) for a in ("llama", "mla")
+              for k in ("naive", "naive_bf16", "reference", "fast")}
+    others = {("eagle3.1", "llama", "fast"), ("eagle3.1", "mla", "fast"),
+              ("dflash", "llama", "fast")}  # DFlash: no MLA layer (no engine serves it)
+    assert {(r["method"], r["arch"], r["kind"]) for r in out["results"]} == eagle3 | others
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in out["results"])
 
 

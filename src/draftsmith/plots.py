@@ -76,13 +76,13 @@ def plot_methods(rows: list[dict], path: Path) -> None:
         xs = [p + 1 + (i - len(rows) / 2 + 0.5) * width for p in range(k)]
         al = r["acceptance_length_reference"]["T0.0"]
         bars = a.bar(xs, r["acceptance_per_position_reference_T0"], width,
-                     label=f"{r['method']} (AL {al:.2f})")
+                     label=f"{r['run']} (AL {al:.2f})")
         if r["acceptance_per_position_vllm_T0"]:
             a.plot(xs, r["acceptance_per_position_vllm_T0"], "o", color="black", ms=3,
                    label="vLLM" if i == 0 else None)
         xs_ = [2 ** (e / 4) for e in range(4, 33)]
         b.plot(xs_, [al / (1 + r["draft_cost_in_eagle3_forwards"] / x) for x in xs_],
-               color=bars.patches[0].get_facecolor(), label=r["method"])
+               color=bars.patches[0].get_facecolor(), label=r["run"])
     a.set_xticks(range(1, k + 1))
     a.set_xlabel("draft position")
     a.set_ylabel("acceptance rate (T=0)")
