@@ -26,7 +26,10 @@ def use(mode: str | None) -> None:
 def current_mode() -> str:
     mode = _mode or os.environ.get(ENV, "auto")
     if mode not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {mode!r}")
+        from draftsmith.errors import DraftsmithError
+
+        raise DraftsmithError(f"the environment variable {ENV} is {mode!r}",
+                              f"set it to one of {', '.join(MODES)}, or unset it (auto)")
     return mode
 
 

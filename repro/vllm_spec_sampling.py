@@ -39,10 +39,11 @@ def main(argv=None) -> dict:
 
     from draftsmith.config import ServerConfig
     from draftsmith.lossless import check_sampled
+    from draftsmith.export import speculative_args
     from draftsmith.prompts import builtin_prompts
     from draftsmith.render import prompt_text
     from draftsmith.serving.client import ChatClient, ChatRequest
-    from draftsmith.serving.server import serve_target, speculative_args
+    from draftsmith.serving.server import serve_target
     from draftsmith.target_info import load_model, load_tokenizer, read_info
 
     python = os.environ.get("DRAFTSMITH_VLLM_PYTHON")

@@ -104,6 +104,9 @@ REPORT: list[str] = []
 # The fault suite's table (tests marked `faults` add a row each): printed, and written to
 # metrics/faults.json when every fault test ran and passed.
 FAULTS: list[dict] = []
+# The bad-input suite's tries (test_bad_inputs.attempt adds one each), summed into
+# metrics/bad_inputs.json likewise.
+BAD_INPUTS: list[dict] = []
 
 
 @pytest.fixture
@@ -136,6 +139,24 @@ def pytest_sessionfinish(session, exitstatus):
             {"faults": len(rows), "samples_lost": sum(r["samples_lost"] for r in rows),
              "artifacts_corrupted": sum(r["artifacts_corrupted"] for r in rows),
              "table": rows}, indent=2) + "\n")
+    bad = [i for i in session.items if i.get_closest_marker("bad_inputs")]
+    if bad and BAD_INPUTS and not chosen and exitstatus == 0:  # not for --collect-only
+        (REPO / "metrics" / "bad_inputs.json").write_text(json.dumps(
+            bad_input_figures(), indent=2) + "\n")
+
+
+def bad_input_figures() -> dict:
+    """What the bad-input suite tried and what users got, per kind of input."""
+    def count(rows):
+        return {"inputs_tried": len(rows),
+                "clear_errors": sum(r["outcome"] == "clear" for r in rows),
+                "accepted_as_valid": sum(r["outcome"] == "accepted" for r in rows),
+                "raw_tracebacks": sum(r["outcome"] == "raw" for r in rows),
+                "errors_without_the_place_or_fix": sum(r["vague"] for r in rows),
+                "artifacts_damaged": sum(bool(r["damaged"]) for r in rows)}
+    kinds = sorted({r["input"] for r in BAD_INPUTS})
+    return {**count(BAD_INPUTS),
+            "by_input": {k: count([r for r in BAD_INPUTS if r["input"] == k]) for k in kinds}}
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -143,6 +164,10 @@ def pytest_terminal_summary(terminalreporter):
     from draftsmith.serving.server import ManagedServer
 
     lines = list(REPORT)
+    if BAD_INPUTS:
+        f = bad_input_figures()
+        lines.append("bad inputs: " + ", ".join(f"{k} {v}" for k, v in f.items()
+                                                if k != "by_input"))
     for r in sorted(FAULTS, key=lambda r: r["fault"]):
         lines.append(f"fault: {r['fault']}: {r['behaviour']} (samples lost "
                      f"{r['samples_lost']}, artifacts corrupted {r['artifacts_corrupted']})")

@@ -13,13 +13,14 @@ import torch
 from draftsmith import export
 from draftsmith.chat_format import FORMATS
 from draftsmith.config import BenchmarkConfig, ServerConfig, TargetConfig
-from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters import METHODS, DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
+from draftsmith.export import speculative_args
 from draftsmith.serving import acceptance, prometheus
 from draftsmith.serving.client import raw_completion
 from draftsmith.serving.engines import (DEFAULT, ENGINES, MEASURABLE, NAMES, REASONING_FIELDS,
                                         REFERENCE, Engine)
-from draftsmith.serving.server import reasoning_parser, server_argv, speculative_args
+from draftsmith.serving.server import reasoning_parser, server_argv
 
 ENGINE = pytest.mark.parametrize("name", NAMES)
 
@@ -31,9 +32,10 @@ def test_each_entry_is_complete(name, tmp_path):
     assert "{model}" in e.launch and e.seed_flag.startswith("--")
     assert e.think_parsers is None or (len(e.think_parsers) == 2 and all(e.think_parsers))
     assert e.reasoning_fields and all(f in REASONING_FIELDS for f in e.reasoning_fields)
-    args = e.speculative_args(tmp_path / "draft", 3, e.default_method)
+    args = e.speculative_args(tmp_path / "draft", 3, e.method_names["eagle3"])
     assert args and all(isinstance(a, str) for a in args)
     assert any(str(tmp_path / "draft") in a for a in args)  # it drafts with the given export
+    assert "eagle3" in e.method_names and set(e.method_names) <= set(METHODS)
     if e.spec_metrics is not None:
         assert all(dataclasses.astuple(e.spec_metrics))
     assert e.aux_convention and e.aux_id_offset >= 0
@@ -65,7 +67,7 @@ def test_server_command_line_comes_from_the_entry(name, tmp_path):
     if e.think_parsers:
         assert argv[argv.index("--reasoning-parser") + 1] == e.think_parsers[0]
         assert reasoning_parser(FORMATS["deepseek-r1"], name) == e.think_parsers[1]
-    spec = e.speculative_args(tmp_path / "d", 2, e.default_method)
+    spec = e.speculative_args(tmp_path / "d", 2, e.method_names["eagle3"])
     assert argv[-len(spec):] == spec
 
 
@@ -119,12 +121,12 @@ def test_a_new_engine_is_one_entry(monkeypatch, tmp_path):
     toy = Engine(name="toy", label="Toy", launch="toyserve --model {model}", seed_flag="--s",
                  think_parsers=None, reasoning_fields=("reasoning",),
                  speculative_args=lambda d, k, m: ["--draft", str(d), "--k", str(k), "--m", m],
-                 default_method="eagle", spec_metrics=None, aux_id_offset=0, aux_convention="as vLLM",
+                 method_names={"eagle3": "eagle"}, spec_metrics=None, aux_id_offset=0, aux_convention="as vLLM",
                  top_level_aux_ids=False)
     monkeypatch.setitem(engines.ENGINES, "toy", toy)
     cfg = ServerConfig.model_construct(**{**ServerConfig().model_dump(), "engine": "toy"})
     argv = server.server_argv(cfg, model_dir=tmp_path, served_name="t", port=1, dtype="f",
                               seed=3, chat_format=FORMATS["qwen3"],
-                              extra=server.speculative_args("toy", tmp_path, 2))
+                              extra=speculative_args("toy", tmp_path, 2))
     assert argv[:3] == ["toyserve", "--model", str(tmp_path)]
     assert argv[-4:] == ["--k", "2", "--m", "eagle"]

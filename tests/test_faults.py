@@ -364,7 +364,7 @@ def test_prompts_longer_than_the_context_fail_before_work(toy_target, tmp_path, 
     ("prompts file with invalid UTF-8", [b'{"prompt": "fine"}', b'{"prompt": "caf\xe9 \xff"}'],
      r"line 2 is not valid UTF-8.*re-encode the file as UTF-8"),
     ("prompts file with an empty prompt", [b'{"prompt": "fine"}', b'{"prompt": "  "}'],
-     r"row 1: its last user turn is empty.*remove empty prompts"),
+     r"line 2: its last user turn is empty.*remove empty prompts"),
 ])
 def test_bad_prompt_files_fail_before_work(toy_target, tmp_path, fault, lines, needle,
                                            fault_row):

@@ -4,18 +4,19 @@ failure handling against closed ports. Live vLLM behaviour is in test_vllm.py.""
 
 import json
 import shlex
+import sys
 
 import pytest
 
 from draftsmith.chat_format import FORMATS, ChatFormat
 from draftsmith.config import ConfigError, ServerConfig, load_config
 from draftsmith.errors import DraftsmithError
+from draftsmith.export import speculative_args
 from draftsmith.journal import Journal
 from draftsmith.serving import prometheus
 from draftsmith.serving.acceptance import Counters
 from draftsmith.serving.client import ChatClient, ChatRequest, RequestFailed, raw_completion
-from draftsmith.serving.server import (ManagedServer, free_port, reasoning_parser, server_argv,
-                                       speculative_args)
+from draftsmith.serving.server import ManagedServer, free_port, reasoning_parser, server_argv
 
 QWEN3, R1, CHATML = FORMATS["qwen3"], FORMATS["deepseek-r1"], FORMATS["chatml"]
 
@@ -134,15 +135,18 @@ def test_vllm_and_sglang_command_lines(tmp_path):
     assert "--speculative-num-draft-tokens 4 --speculative-num-steps 3" in sg
     assert "--speculative-eagle-topk 1" in sg
     # A DFlash export says so in its config: vLLM's method dflash (its only way to tell),
-    # SGLang's DFLASH with the whole block verified, no chain flags.
+    # SGLang's DFLASH with the whole block verified, no chain flags. The method is read in
+    # our words, so an export written for one engine is served by the other by its own name.
     (tmp_path / "config.json").write_text(json.dumps(
-        {"draftsmith": {"speculative_method": "dflash"}}))
+        {"draftsmith": {"method": "dflash", "speculative_method": "DFLASH"}}))
     assert json.loads(speculative_args("vllm", tmp_path, 3)[1])["method"] == "dflash"
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"draftsmith": {"speculative_method": "DFLASH"}}))
     sg = speculative_args("sglang", tmp_path, 3)
     assert shlex.join(sg).startswith("--speculative-algorithm DFLASH")
     assert "--speculative-num-draft-tokens" in sg and "--speculative-num-steps" not in sg
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLMEagle3"], "fc_norm": True,
+         "draftsmith": {"method": "eagle3.1", "speculative_method": "EAGLE3"}}))
+    assert json.loads(speculative_args("vllm", tmp_path, 3)[1])["method"] == "eagle3"
 
 
 @pytest.mark.parametrize("params, needle", [
@@ -180,6 +184,27 @@ def test_server_that_dies_at_start_fails_fast_with_its_log(tmp_path):
     with pytest.raises(DraftsmithError) as err:
         server.start()
     assert "exited (code 3)" in str(err.value) and "bad flag --foo" in str(err.value)
+
+
+def test_a_server_that_dies_names_its_root_cause_first(tmp_path):
+    """An engine whose worker raised, then whose parent raised a wrapper ("see root cause
+    above") and printed more: the error leads with the worker's exception, not the wrapper."""
+    script = ("import sys\n"
+              "print('WARNING [utils.py:2] Found ulimit: `OSError: [Errno 24] Too many open "
+              "files`. Consider increasing it')\n"
+              "print('(Worker pid=7) ERROR 12-04 [executor.py:9] ValueError: There is no module "
+              "or parameter named fc_norm in LlamaModel', flush=True)\n"
+              "print('Traceback (most recent call last):\\n  File \"x.py\", line 1')\n"
+              "print('RuntimeError: Engine core initialization failed. See root cause above.')\n"
+              + "print('  shutdown line')\n" * 40 + "sys.exit(1)\n")
+    server = ManagedServer([sys.executable, "-c", script], host="127.0.0.1",
+                           port=free_port("127.0.0.1"), log_file=tmp_path / "server.log",
+                           startup_timeout_s=60)
+    with pytest.raises(DraftsmithError) as err:
+        server.start()
+    first = str(err.value).splitlines()[0]
+    assert first.endswith("healthy: ValueError: There is no module or parameter named fc_norm "
+                          "in LlamaModel; last lines of " + str(tmp_path / "server.log") + ":")
 
 
 def test_engines_that_disagree_are_flagged():

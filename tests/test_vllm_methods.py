@@ -63,10 +63,13 @@ def test_each_method_served_by_vllm_on_the_same_data(repo, method, architecture)
     assert abs(first - m["results"][0]["acceptance_rate_per_position"][0]) <= 0.1
 
 
-def test_an_eagle31_export_without_its_switches_loses_acceptance_in_vllm(repo, tmp_path):
-    """The EAGLE-3.1 drafter's export with fc_norm and norm_output dropped (what a config
-    with the keys misplaced, or a trainer that ignores them, hands the engine): vLLM serves it
-    without a word as EAGLE-3, and most of the drafter's gain is gone; `validate` names it."""
+def test_an_eagle31_export_with_its_switches_misplaced_is_refused(repo, tmp_path):
+    """The EAGLE-3.1 drafter's export with fc_norm and norm_output moved into eagle_config
+    (where a hand-edited config, or a converter that groups the EAGLE keys, puts them): vLLM
+    reads the switches only at the top level, so it builds an EAGLE-3 layer without fc_norm and
+    then fails to load the trained fc_norm weight. `validate` names the problem and the fix
+    before any server starts; the server's own failure, reached through our launcher, names
+    the weight."""
     import subprocess
     import sys
 
@@ -75,25 +78,22 @@ def test_an_eagle31_export_without_its_switches_loses_acceptance_in_vllm(repo, t
     from conftest import REPO
     from draftsmith import benchmark
     from draftsmith.config import BenchmarkConfig
+    from draftsmith.errors import DraftsmithError
     from test_vllm import cpu_server
 
     set_params(repo, {"train": {"method": "eagle3.1"}})
     try:
         dvc("repro", cwd=repo)  # restored from DVC's run cache (the test above trained it)
-        good = tmp_path / "good"
-        good.mkdir()
-        for f in ("config.json", "model.safetensors"):
-            (good / f).write_bytes((repo / "models/export/vllm" / f).read_bytes())
-        m = json.loads((repo / "metrics/benchmark.json").read_text())
+        good = repo / "models/export/vllm"
+        plain = tmp_path / "switches-misplaced"
+        plain.mkdir()
+        c = json.loads((good / "config.json").read_text())
+        c["eagle_config"].update(fc_norm=c.pop("fc_norm"), norm_output=c.pop("norm_output"))
+        (plain / "config.json").write_text(json.dumps(c))
+        save_file(load_file(good / "model.safetensors"), plain / "model.safetensors")
     finally:
         set_params(repo, {"train": {"method": "eagle3"}})
         dvc("repro", cwd=repo)
-    plain = tmp_path / "switches-dropped"
-    plain.mkdir()
-    c = json.loads((good / "config.json").read_text())
-    c["eagle_config"].update(fc_norm=c.pop("fc_norm"), norm_output=c.pop("norm_output"))
-    (plain / "config.json").write_text(json.dumps(c))
-    save_file(load_file(good / "model.safetensors"), plain / "model.safetensors")
 
     proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "validate", str(plain),
                            "--target", str(repo / "models/target")],
@@ -102,12 +102,6 @@ def test_an_eagle31_export_without_its_switches_loses_acceptance_in_vllm(repo, t
 
     cfg = BenchmarkConfig(**{**SERVED["benchmark"], "engines": ["vllm"]})
     prompts, _ = benchmark.held_out_prompts(cfg, repo / "data/raw")
-    al = {}
-    for name, draft in (("as exported", good), ("switches dropped", plain)):
-        results, _ = benchmark.served_acceptance(cfg, cpu_server(), repo / "models/target",
-                                                 draft, prompts, tmp_path / name)
-        al[name] = results[0]["acceptance_length"]
-    REPORT.append(f"EAGLE-3.1 drafter in vLLM, acceptance length by export: {al} (stage: "
-                  f"{m['by_engine']['vllm']['T0.0']})")
-    assert abs(al["as exported"] - m["by_engine"]["vllm"]["T0.0"]) <= 0.02 * al["as exported"]
-    assert al["switches dropped"] - 1 < 0.75 * (al["as exported"] - 1)
+    with pytest.raises(DraftsmithError, match="no module or parameter named 'fc_norm'"):
+        benchmark.served_acceptance(cfg, cpu_server(), repo / "models/target", plain,
+                                    prompts[:1], tmp_path / "served")

@@ -21,10 +21,12 @@ TOKENIZED_MANIFEST = "manifest.json"
 
 def read_manifest(path: Path, stage: str) -> dict:
     """A stage's JSON manifest; when it is missing, an error that says which stage to run."""
+    from draftsmith.readers import read_json_object
+
     f = Path(path)
     if not f.exists():
         raise DraftsmithError(f"{f} not found", f"run the {stage} stage first: `dvc repro {stage}`")
-    return json.loads(f.read_text())
+    return read_json_object(f, f"run the {stage} stage again: `dvc repro -f {stage}`")
 
 
 def iter_samples(tokenized_dir: Path):

@@ -246,9 +246,10 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
     """Serve the target with the exported drafter in `server.engine`, send the prompts at each
     temperature, and read acceptance from the engine's counters. Returns the per-temperature
     results and the outputs ({temperature: {prompt id: emitted token ids}})."""
+    from draftsmith.export import speculative_args
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
-    from draftsmith.serving.server import serve_target, speculative_args
+    from draftsmith.serving.server import serve_target
     from draftsmith.target_info import read_info
 
     k = cfg.num_speculative_tokens

@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from draftsmith.artifacts import read_manifest
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.drafters import METHODS, DrafterConfig, build
 from draftsmith.errors import DraftsmithError
+from draftsmith.readers import read_safetensors
 
 DRAFTER_WEIGHTS = "drafter.safetensors"
 DRAFTER_CONFIG = "drafter.json"
@@ -50,7 +51,12 @@ def read_drafter_config(drafter_dir: Path) -> DrafterConfig:
         raise DraftsmithError(f"{drafter_dir} holds a drafter of method {c['method']!r}, which "
                               f"this version does not know ({', '.join(METHODS)})",
                               "re-run the train stage with this version")
-    return DrafterConfig.from_dict(c)
+    try:
+        return DrafterConfig.from_dict(c)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DraftsmithError(f"{drafter_dir}/{DRAFTER_CONFIG} is not a drafter's config "
+                              f"({type(exc).__name__}: {exc})",
+                              "re-run the train stage (`dvc repro -f train`)") from None
 
 
 def load_drafter(drafter_dir: Path, target=None):
@@ -58,7 +64,8 @@ def load_drafter(drafter_dir: Path, target=None):
     tensors shared with it (its input embedding; DFlash's lm_head); without it they stay at
     their (meaningless) init, which is fine for exporting."""
     model = build(read_drafter_config(drafter_dir))
-    state = load_file(Path(drafter_dir) / DRAFTER_WEIGHTS)
+    state = read_safetensors(Path(drafter_dir) / DRAFTER_WEIGHTS,
+                             "re-run the train stage (`dvc repro -f train`)")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) != set(model.SHARED) or unexpected:
         raise DraftsmithError(
@@ -83,7 +90,7 @@ def load_drafter_weights(model, path: Path) -> dict:
                               "point train.init at a drafter directory of train.method")
     theirs: dict[str, torch.Tensor] = {}
     for f in files:
-        theirs.update(load_file(f))
+        theirs.update(read_safetensors(f, "put a drafter's safetensors weights in train.init"))
     method = METHODS[model.config.method]
     renamed = {method.import_name(k.removeprefix("model.")): v for k, v in theirs.items()}
     mine = model.state_dict()

@@ -36,7 +36,8 @@ METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflas
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in params.yaml must never be silently ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and nan pass `gt=0` bounds and then wreck a run hours in: refused like any bad value.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class EmbeddedTargetConfig(_Section):
@@ -115,6 +116,7 @@ class GenerateConfig(_Section):
     thinking: bool = True
     batch_size: int = Field(64, ge=1)
     backend: Literal["inprocess", "openai"] = "inprocess"
+    on_bad_row: Literal["fail", "drop"] = "fail"
 
     @model_validator(mode="after")
     def _source_exists(self):
@@ -344,7 +346,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' is not key=value", "write e.g. generate.seed=1")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value)
+    try:
+        return key.strip().split("."), yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': the value is not YAML ({exc.problem})",
+                          "quote it, e.g. generate.source='my file.jsonl'") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -365,8 +371,11 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
     if not path.exists():
         raise ConfigError(f"{path} not found", "run from the repository root or pass --params")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
+        raw = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                          "save params.yaml as UTF-8") from None
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}", "fix the YAML syntax") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must be a mapping of sections", "see the README for the layout")

@@ -15,17 +15,31 @@ Each config states its method and convention under `draftsmith`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.checkpoint import drafter_state, load_drafter
 from draftsmith.drafters import METHODS, DrafterConfig, method_of, method_of_export
 from draftsmith.errors import DraftsmithError
+from draftsmith.readers import read_json_object, read_safetensors
 from draftsmith.serving.engines import DEFAULT, ENGINES, Engine
+
+
+def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
+    """Arguments that make the engine draft with an exported drafter, k tokens a step, by the
+    method its config.json is for (`draftsmith.method`, or told by its architecture), named
+    in this engine's words: an export made for one engine may be served by another, as
+    tests do on purpose. An export no method of ours claims is served as EAGLE-3."""
+    import json
+
+    e = ENGINES[engine]
+    f = Path(draft_dir) / "config.json"
+    config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
+    method = method_of_export(config) if isinstance(config, dict) else None
+    return e.speculative_args(draft_dir, k, e.method_names[(method or METHODS["eagle3"]).name])
 
 
 def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:
@@ -47,7 +61,7 @@ def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> d
         "draftsmith": {
             "engine": engine.name,
             "method": c.method,
-            "speculative_method": method.speculative_method(engine),
+            "speculative_method": engine.method_names[method.name],
             "aux_layer_convention": engine.aux_convention,
             "aux_layers_vllm_convention": list(c.aux_layers),
             "aux_capture": "the residual stream entering each layer, before any norm "
@@ -79,12 +93,16 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
     problem; returns a summary when it passes."""
     export_dir = Path(export_dir)
     problems: list[str] = []
+    fix = "re-export with `dvc repro export`, or point at the folder holding config.json"
     cfg_file, w_file = export_dir / "config.json", export_dir / "model.safetensors"
     for f in (cfg_file, w_file):
         if not f.exists():
-            raise DraftsmithError(f"{export_dir}: {f.name} is missing", "re-run the train stage")
-    c = json.loads(cfg_file.read_text())
-    t = load_file(w_file)
+            raise DraftsmithError(f"{export_dir}: {f.name} is missing", fix)
+    c = read_json_object(cfg_file, fix)
+    t = read_safetensors(w_file, fix)
+    malformed = _malformed(c)
+    if malformed:
+        raise DraftsmithError(f"{cfg_file} is not a drafter config: " + "; ".join(malformed), fix)
     engine = ENGINES[c.get("draftsmith", {}).get("engine", DEFAULT)]
     method = method_of_export(c)
     if method is None or c.get("architectures") not in [[a] for a in
@@ -103,7 +121,7 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
         shapes = method.expected_shapes(c)
     except (KeyError, TypeError) as e:
         shapes = {}
-        problems.append(f"config.json lacks {e} (needed to check the tensors' shapes)")
+        problems.append(f"config.json lacks or mistypes {e} (the tensors' shapes follow from it)")
     for name, shape in shapes.items():
         if name not in t:
             problems.append(f"tensor {name} is missing"
@@ -124,6 +142,34 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
         c.get("dflash_config", {}).get("target_layer_ids")
     return {"engine": engine.name, "method": method.name, "aux_layer_ids": ids,
             "tensors": len(t), "dtype": str(next(iter(floats)))}
+
+
+_INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+             "vocab_size", "draft_vocab_size", "target_hidden_size", "num_key_value_heads",
+             "head_dim", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ID_LISTS = (("eagle_config", "eagle_aux_hidden_state_layer_ids"),
+             ("dflash_config", "target_layer_ids"))
+
+
+def _malformed(c: dict) -> list[str]:
+    """Keys of a config.json whose type no engine would take (checked before anything reads
+    them): sizes that are not positive integers, sections that are not objects, layer ids
+    that are not lists of integers, an engine we do not know."""
+    bad = [f"{k} is {c[k]!r}, not a positive integer" for k in _INT_KEYS
+           if k in c and not (type(c[k]) is int and c[k] > 0)]
+    for section in ("eagle_config", "dflash_config", "draftsmith"):
+        if section in c and not isinstance(c[section], dict):
+            bad.append(f"{section} is a {type(c[section]).__name__}, not an object")
+    for section, key in _ID_LISTS:
+        ids = c.get(section, {}).get(key) if isinstance(c.get(section), dict) else None
+        if ids is not None and not (isinstance(ids, list)
+                                    and all(type(i) is int for i in ids)):
+            bad.append(f"{section}.{key} is {ids!r}, not a list of layer ids")
+    engine = c.get("draftsmith", {}).get("engine", DEFAULT) \
+        if isinstance(c.get("draftsmith"), dict) else DEFAULT
+    if engine not in ENGINES:
+        bad.append(f"draftsmith.engine is {engine!r}, not one of {list(ENGINES)}")
+    return bad
 
 
 def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> list[str]:

@@ -59,8 +59,13 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
             "set generate.thinking: false for this target, or declare where it writes its "
             "reasoning in target.chat_format (reasoning_open, reasoning_close, end_of_turn)",
         )
+    dropped: list[str] = []
     prompts = load_prompts(cfg.source, split=cfg.split, fmt=cfg.format, column=cfg.column,
-                           limit=cfg.num_samples, seed=cfg.seed)
+                           limit=cfg.num_samples, seed=cfg.seed, on_bad_row=cfg.on_bad_row,
+                           dropped=dropped)
+    if dropped:
+        print(f"generate: dropped {len(dropped)} bad row(s) of {cfg.source} "
+              f"(generate.on_bad_row: drop); the first: {dropped[0]}")
     if len(prompts) < cfg.num_samples:
         raise DraftsmithError(
             f"generate.num_samples={cfg.num_samples} but {cfg.source} holds only {len(prompts)} "
@@ -92,6 +97,7 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
     journal.remove()
     metrics = summarize(records, seconds)
     metrics.update(backend=cfg.backend, resumed_samples=len(prompts) - len(todo),
+                   bad_rows_dropped=len(dropped),
                    tokens_per_s=round(new_tokens / seconds, 1) if todo and seconds > 0 else None)
     return metrics
 
@@ -112,8 +118,9 @@ def _check_context(cfg: GenerateConfig, prompts: list[Prompt], texts: dict, toke
         room = context - max(m for _, _, m in long)
         raise DraftsmithError(
             f"{len(long)} of {len(prompts)} prompts do not fit the target's context of {context} "
-            f"tokens with generate.max_new_tokens={cfg.max_new_tokens}; the first, row {row} "
-            f"(id {p.id}), has {n} prompt tokens",
+            f"tokens with generate.max_new_tokens={cfg.max_new_tokens}; the first, "
+            f"{cfg.source} row {p.meta.get('source_index', row)} (counting from 0; id {p.id}), has "
+            f"{n} prompt tokens",
             "remove or shorten the long prompts in the source"
             + (f", or lower generate.max_new_tokens to at most {room}" if room > 0 else ""))
 

@@ -65,30 +65,105 @@ class EmptyPrompt(ValueError):
     pass
 
 
-def _detect_format(columns: list[str]) -> str:
+def _detect_format(columns: list[str], source: str) -> str:
     for fmt in ("messages", "sharegpt", "prompt"):
         if _DEFAULT_COLUMN[fmt] in columns:
             return fmt
     raise DraftsmithError(
-        f"cannot tell the prompt format from the columns {columns}",
+        f"{source}: cannot tell the prompt format from the columns {columns}",
         "set generate.format (messages | sharegpt | prompt) and generate.column",
     )
 
 
-def load_dataset_rows(source: str, split: str):
+class BadRow(DraftsmithError):
+    """One row of a prompt source that cannot be read as a prompt (on_bad_row: drop skips it)."""
+
+
+def source_rows(source: str, split: str) -> tuple[list[str], list[tuple[str, object]]]:
+    """-> (the source's columns, [(where, row)]): `where` names the row for messages ("line 7",
+    "row 12"); a row is a dict, or a BadRow when that row alone cannot be parsed. A source
+    that cannot be read at all raises a DraftsmithError naming the file and the fix."""
+    if source.startswith("hf:"):
+        rows = _hub_rows(source, split)
+        return rows.column_names, [(f"row {i}", r) for i, r in enumerate(rows)]
+    path = Path(source)
+    if not path.is_file():
+        raise DraftsmithError(f"prompt source {source} does not exist or is not a file",
+                              "point generate.source at a .jsonl, .json or .parquet file")
+    head = path.read_bytes()[:4]
+    if path.suffix == ".parquet" or head == b"PAR1":
+        if path.suffix != ".parquet":
+            raise DraftsmithError(f"{source} is a Parquet file (it starts with PAR1), not the "
+                                  f"{path.suffix} its name says", f"rename it to {path.stem}.parquet")
+        rows = _parquet_rows(path)
+    else:
+        rows = _json_rows(path)
+    columns = list(dict.fromkeys(k for _, r in rows if isinstance(r, dict) for k in r))
+    if not rows:
+        raise DraftsmithError(f"{source} holds no rows", "point generate.source at a file "
+                              "with one prompt or conversation per row")
+    return columns, rows
+
+
+def _hub_rows(source: str, split: str):
     import datasets
 
     datasets.disable_progress_bars()
-    if source.startswith("hf:"):
+    try:
         return datasets.load_dataset(source[3:], split=split)
-    kind = "parquet" if source.endswith(".parquet") else "json"
-    if kind == "json":
-        _check_utf8(Path(source))
-    return datasets.load_dataset(kind, data_files=source, split="train")
+    except Exception as exc:  # the hub, the dataset or its split: the library's many errors
+        raise DraftsmithError(f"cannot load {source} split '{split}': {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                              "check the dataset id and generate.split, that the hub is "
+                              "reachable (or the dataset is in the local HF cache), or use a "
+                              "local file") from None
+
+
+def _parquet_rows(path: Path) -> list:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DraftsmithError(f"{path} is not a readable Parquet file ({exc})",
+                              "write it again (e.g. pandas.DataFrame.to_parquet), or export "
+                              "the prompts as JSON Lines") from None
+    return [(f"row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _json_rows(path: Path) -> list:
+    """A .jsonl file (one JSON object a line), or a .json file holding a list of objects (or,
+    as `datasets` reads them, JSON Lines)."""
+    _check_utf8(path)
+    text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark is not content
+    if "\x00" in text:
+        raise DraftsmithError(f"{path} holds NUL bytes: it is binary, not JSON",
+                              "export the prompts as JSON Lines (one object a line) or Parquet")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise DraftsmithError(f"{path} is not valid JSON ({_why(exc)})",
+                                  "fix the file, or write it as JSON Lines") from None
+        return [(f"item {i}", r if isinstance(r, dict) else _not_object(path, f"item {i}", r))
+                for i, r in enumerate(items)]
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            r = BadRow(f"{path} line {n} is not JSON ({_why(exc)})",
+                       "fix or remove that line (generate.on_bad_row: drop skips such lines)")
+        rows.append((f"line {n}", r if isinstance(r, (dict, BadRow))
+                     else _not_object(path, f"line {n}", r)))
+    return rows
 
 
 def _check_utf8(path: Path) -> None:
-    """Name the line of a JSONL file that is not UTF-8, before any work."""
+    """Name the line of a JSON file that is not UTF-8, before any work."""
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             try:
@@ -100,38 +175,85 @@ def _check_utf8(path: Path) -> None:
                     "that line") from None
 
 
-def dataset_prompts(source: str, split: str, fmt: str, column: str | None, limit: int
-                    ) -> list[Prompt]:
-    rows = load_dataset_rows(source, split)
-    fmt = _detect_format(rows.column_names) if fmt == "auto" else fmt
+def _why(exc) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deep to read"
+    return f"{exc.msg}; column {exc.colno}" if exc.lineno == 1 else \
+        f"{exc.msg}; line {exc.lineno} column {exc.colno}"
+
+
+def _not_object(path: Path, where: str, value) -> BadRow:
+    return BadRow(f"{path} {where} is a JSON {type(value).__name__}, not an object",
+                  "write one object per row, e.g. {\"prompt\": \"...\"} or "
+                  "{\"messages\": [...]}")
+
+
+def dataset_prompts(source: str, split: str, fmt: str, column: str | None, limit: int,
+                    on_bad_row: str = "fail", dropped: list | None = None) -> list[Prompt]:
+    """The first `limit` distinct prompts. on_bad_row: fail (the first bad row raises, naming
+    it) | drop (bad rows are skipped and their messages appended to `dropped`; a source with
+    no good row still fails). Every row of a local file is checked, not only those used."""
+    columns, rows = source_rows(source, split)
+    if not columns:  # not one row could be read: say why the first one could not
+        raise next((r for _, r in rows if isinstance(r, BadRow)), DraftsmithError(
+            f"{source}: its rows have no fields", "write one object per row, e.g. "
+            "{\"prompt\": \"...\"} or {\"messages\": [...]}"))
+    fmt = _detect_format(columns, source) if fmt == "auto" else fmt
     column = column or _DEFAULT_COLUMN[fmt]
-    if column not in rows.column_names:
+    if column not in columns:
         raise DraftsmithError(
-            f"{source} has no column '{column}' (columns: {rows.column_names})",
+            f"{source} has no column '{column}' (columns: {columns})",
             "set generate.column to the column holding the conversation or prompt",
         )
-    prompts, seen = [], set()
-    for i, value in enumerate(rows[column]):
+    prompts, seen, bad = [], set(), []
+    for i, (where, row) in enumerate(rows):
         try:
-            p = make_prompt(_to_messages(value, fmt), source_index=i)
-        except EmptyPrompt as exc:
-            raise DraftsmithError(f"{source} row {i}: {exc}",
-                                  "remove empty prompts from the source") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DraftsmithError(
-                f"{source} row {i}: column '{column}' is not in {fmt} format ({exc})",
-                "set generate.format/generate.column to match the data",
-            ) from None
-        if p.id not in seen:  # duplicate prompts would share an id; keep the first
+            p = _row_prompt(source, where, row, column, fmt, i)
+        except BadRow as exc:
+            if on_bad_row == "fail":
+                raise
+            bad.append(exc.problem)
+            continue
+        if p.id not in seen and len(prompts) < limit:  # a duplicate would share an id
             seen.add(p.id)
             prompts.append(p)
-            if len(prompts) == limit:
-                break
+        # A local file is read whole, so a broken row is found wherever it is; a hub dataset
+        # only as far as the prompts asked for.
+        if len(prompts) == limit and source.startswith("hf:"):
+            break
+    if bad and not prompts:
+        raise DraftsmithError(f"{source}: none of its rows is a usable prompt ({len(bad)} "
+                              f"bad; the first: {bad[0]})",
+                              "set generate.format/generate.column to match the data")
+    if dropped is not None:
+        dropped.extend(bad)
     return prompts
 
 
+def _row_prompt(source: str, where: str, row, column: str, fmt: str, index: int) -> Prompt:
+    if isinstance(row, BadRow):
+        raise row
+    if column not in row:
+        raise BadRow(f"{source} {where} has no '{column}' (it has {sorted(row)})",
+                     "give every row that column, or set generate.on_bad_row: drop")
+    try:
+        return make_prompt(_to_messages(row[column], fmt), source_index=index)
+    except EmptyPrompt as exc:
+        raise BadRow(f"{source} {where}: {exc}",
+                     "remove empty prompts from the source, or set generate.on_bad_row: "
+                     "drop") from None
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise BadRow(
+            f"{source} {where}: column '{column}' is not in {fmt} format "
+            f"({type(exc).__name__}: {exc})",
+            "set generate.format/generate.column to match the data, or generate.on_bad_row: "
+            "drop to skip such rows",
+        ) from None
+
+
 def load_prompts(source: str, *, split: str, fmt: str, column: str | None, limit: int,
-                 seed: int) -> list[Prompt]:
+                 seed: int, on_bad_row: str = "fail", dropped: list | None = None
+                 ) -> list[Prompt]:
     if source == "builtin":
         # Over-draw, then de-duplicate, so `limit` distinct prompts come back.
         out, seen = [], set()
@@ -140,4 +262,4 @@ def load_prompts(source: str, *, split: str, fmt: str, column: str | None, limit
                 seen.add(p.id)
                 out.append(p)
         return out[:limit]
-    return dataset_prompts(source, split, fmt, column, limit)
+    return dataset_prompts(source, split, fmt, column, limit, on_bad_row, dropped)

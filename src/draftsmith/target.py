@@ -11,7 +11,6 @@ code from the hub runs only with `target.trust_remote_code: true`.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from draftsmith.atomic import atomic_path, write_json
 from draftsmith.chat_probe import resolve_format
 from draftsmith.config import EMBEDDED_MLA, TargetConfig
 from draftsmith.errors import DraftsmithError
+from draftsmith.readers import read_json_object
 from draftsmith.target_info import MANIFEST, TargetInfo, auto_class, download
 
 
@@ -44,21 +44,64 @@ def _describe(model_dir: Path, cfg: TargetConfig) -> dict:
             "weights can run arbitrary code)",
             "convert the checkpoint to safetensors, or use a repo that ships them",
         )
-    conf = json.loads(config_file.read_text())
+    conf = read_json_object(config_file, "point target.model at an HF-layout model directory "
+                                         "whose config.json transformers wrote")
     text = conf.get("text_config", conf)  # multimodal wrappers nest the language model's config
+    _check_weights(model_dir)
     from transformers import AutoConfig, AutoTokenizer
 
     # A model transformers cannot run as a causal LM is refused here, not at the first stage
     # that loads it (after generation, perhaps).
-    auto_class(AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code),
-               cfg.trust_remote_code)
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    config = _hf_read(
+        lambda: AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code),
+        f"transformers cannot read {config_file}",
+        "fix the config (a model_type transformers knows, the fields it asks for), or set "
+        "target.trust_remote_code: true for a model that ships its own code")
+    auto_class(config, cfg.trust_remote_code)
+    tok = _hf_read(
+        lambda: AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code),
+        f"cannot load the tokenizer of {model_dir}",
+        "the tokenizer files (tokenizer.json, tokenizer_config.json) must be what transformers "
+        "saved for this model")
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
+    if missing:
+        raise DraftsmithError(f"{config_file} has no {', '.join(missing)}",
+                              "point target.model at a causal language model's directory")
     return dict(
         chat_format=resolve_format(cfg.chat_format, tok).to_dict(),
         architecture=(conf.get("architectures") or ["?"])[0],
         num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
     )
+
+
+def _check_weights(model_dir: Path) -> None:
+    """Every safetensors file's header reads (the tensors are not loaded): a truncated or
+    foreign weight file is named here, before generation loads the model."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(f, "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise DraftsmithError(f"{f} is not a readable safetensors file ({exc})",
+                                  "download or convert the weights again") from None
+
+
+def _hf_read(load, problem: str, fix: str):
+    """load(), with whatever transformers or huggingface_hub raise for a file they cannot take
+    (ValueError, KeyError, OSError, their own validation errors: a dozen types, each the
+    user's file) turned into one error that names the file and the fix."""
+    try:
+        return load()
+    except Exception as exc:  # noqa: BLE001 (see above)
+        raise DraftsmithError(f"{problem}: {type(exc).__name__}: {_first_line(exc)}",
+                              fix) from None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
 def resolve(cfg: TargetConfig, out_dir: Path) -> dict:

@@ -167,8 +167,3 @@ class Method(ABC):
                      target_num_layers: int) -> list[str]:
         """This method's own problems in an export (aux layer ids in the engine's convention,
         its flags); export.validate adds the shared ones (shapes, dtypes, vocab maps)."""
-
-    @abstractmethod
-    def speculative_method(self, engine: Engine) -> str:
-        """What the engine calls this method (vLLM's speculative_config.method, SGLang's
-        --speculative-algorithm)."""

@@ -388,9 +388,6 @@ class DFlash(Method):
             problems.append("a draft vocab smaller than the target's without d2t")
         return problems
 
-    def speculative_method(self, engine) -> str:
-        return {"vllm": "dflash", "sglang": "DFLASH"}[engine.name]
-
 
 DFLASH = DFlash()
 

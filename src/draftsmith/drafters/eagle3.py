@@ -413,9 +413,6 @@ class Eagle3(Method):
                             "Kimi-K2.5 EAGLE-3 model requires the low-rank query")
         return problems
 
-    def speculative_method(self, engine) -> str:
-        return {"vllm": "eagle3", "sglang": "EAGLE3"}[engine.name]
-
 
 EAGLE3 = Eagle3(v31=False)
 EAGLE31 = Eagle3(v31=True)

@@ -110,7 +110,13 @@ class ChatClient:
             except httpx.HTTPError as exc:
                 errors.append(f"{url}: {exc}")
                 continue
-            names = [m["id"] for m in r.json().get("data", [])]
+            try:
+                names = [m["id"] for m in r.json().get("data", [])]
+            except (ValueError, AttributeError, KeyError, TypeError):
+                raise DraftsmithError(
+                    f"{url}/models did not answer an OpenAI model list: {r.text[:200]!r}",
+                    "check server.urls: each must be an OpenAI-compatible API base, e.g. "
+                    "http://127.0.0.1:8000/v1") from None
             if len(names) != 1:
                 raise DraftsmithError(f"{url} serves {len(names)} models: {names}",
                                       "set server.model to the one to use")
@@ -161,11 +167,12 @@ class ChatClient:
             choice = data["choices"][0]
             reason = "stop" if (choice.get("finish_reason") or "stop") == "stop" else "length"
             text = raw_completion(choice["message"], reason, self.fmt)
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RequestFailed(f"sample {req.id}: the server's answer has no {exc}: "
+            tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+            raise RequestFailed(f"sample {req.id}: the answer of {', '.join(self.urls)} is not "
+                                f"an OpenAI chat completion ({type(exc).__name__}: {exc}): "
                                 f"{str(data)[:300]}", "check that server.urls are "
-                                "OpenAI-compatible chat servers") from None
-        tokens = data.get("usage", {}).get("completion_tokens", 0)
+                                "OpenAI-compatible chat servers (their /v1 base)") from None
         return ServedCompletion(text, tokens, reason, emitted_ids(choice))
 
     def stream(self, requests: list, call=None) -> Iterator[tuple]:

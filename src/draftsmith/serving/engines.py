@@ -41,7 +41,9 @@ class Engine:
     reasoning_fields: tuple[str, ...]  # response message fields a parser puts reasoning in
     # (drafter export, k, method in the engine's words) -> arguments that make it draft so
     speculative_args: Callable[[Path, int, str], list[str]]
-    default_method: str  # the engine's name for EAGLE-3 (an export that names no method)
+    # train.method -> what this engine calls it (vLLM's speculative_config.method, SGLang's
+    # --speculative-algorithm); a method missing here is one the engine cannot serve.
+    method_names: dict[str, str]
     spec_metrics: SpecMetrics | None  # None: acceptance cannot be read from the server
     # Aux layer ids: ours (and vLLM's) are k = the hidden state entering target layer k; the
     # engine's id is k - aux_id_offset.
@@ -99,7 +101,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         # in-process generation in test_vllm.py); older releases used `reasoning_content`.
         think_parsers=("qwen3", "deepseek_r1"),
         reasoning_fields=("reasoning", "reasoning_content"),
-        speculative_args=_vllm_speculative, default_method="eagle3",
+        speculative_args=_vllm_speculative,
+        method_names={"eagle3": "eagle3", "eagle3.1": "eagle3", "dflash": "dflash"},
         spec_metrics=SpecMetrics(
             drafts=_VLLM_SPEC + "num_drafts_total",
             draft_tokens=_VLLM_SPEC + "num_draft_tokens_total",
@@ -118,7 +121,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         # without one. A server launched elsewhere with one answers in `reasoning_content`.
         think_parsers=None,
         reasoning_fields=("reasoning_content",),
-        speculative_args=_sglang_speculative, default_method="EAGLE3",
+        speculative_args=_sglang_speculative,
+        method_names={"eagle3": "EAGLE3", "eagle3.1": "EAGLE3", "dflash": "DFLASH"},
         spec_metrics=None,
         # SGLang reads id i as the OUTPUT of layer i (`set_eagle3_layers_to_capture` adds one;
         # models/llama.py, qwen3.py, deepseek_v2.py), and only `eagle_config`'s ids

@@ -131,14 +131,20 @@ class HiddenStatesClient:
     def _max_model_len(self) -> int:
         r = self.client.http.get(f"{self.client.urls[0]}/models", timeout=30)
         r.raise_for_status()
-        return int(r.json()["data"][0].get("max_model_len") or 0)
+        try:
+            return int(r.json()["data"][0].get("max_model_len") or 0)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            raise DraftsmithError(f"{self.client.urls[0]}/models is not vLLM's model list: "
+                                  f"{r.text[:200]!r}", "point server.urls at a vLLM server") \
+                from None
 
     def _one(self, sample: tuple) -> tuple:
         sid, ids = sample
         body = {"model": self.client.model, "prompt": ids.tolist(), "max_tokens": 1,
                 "temperature": 0.0}
         data = self.client.post("/completions", body, f"sample {sid}")
-        path = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
+        path = ((data.get("kv_transfer_params") if isinstance(data, dict) else None)
+                or {}).get("hidden_states_path")
         if not path:
             raise DraftsmithError(
                 f"the server answered sample {sid} without kv_transfer_params."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shlex
 import signal
 import socket
@@ -37,19 +38,6 @@ def reasoning_parser(fmt: ChatFormat, engine: str = DEFAULT) -> str | None:
             (fmt.open_tag.strip(), fmt.close_tag) == ("<think>", "</think>"):
         return parsers[1] if fmt.prompt_opens_reasoning else parsers[0]
     return None
-
-
-def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
-    """Arguments that make the engine draft with an exported drafter, k tokens a step, by the
-    method its config.json names in the engine's words (`draftsmith.speculative_method`,
-    written by export.py; an export without it is EAGLE-3's)."""
-    import json
-
-    e = ENGINES[engine]
-    f = Path(draft_dir) / "config.json"
-    config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
-    method = config.get("draftsmith", {}).get("speculative_method", e.default_method)
-    return e.speculative_args(draft_dir, k, method)
 
 
 def server_argv(cfg: ServerConfig, *, model_dir: Path, served_name: str, port: int, dtype: str,
@@ -119,6 +107,12 @@ for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 0)):
 """
 
 
+# A line that states an exception ("ValueError: ..."), at its start or after the "(Worker
+# pid=..) ERROR .. [file.py:9] " prefix the engine puts before it; never one a warning quotes.
+_EXCEPTION = re.compile(r"(?:^|\] )([A-Z][\w.]*(?:Error|Exception): .+)")
+_WRAPPERS = ("See root cause above", "Engine core initialization failed")
+
+
 class ManagedServer:
     """`with ManagedServer(argv, ...) as url:` starts the server, waits for `/health` and stops
     it (the whole process group) on exit, even when the body raises or is interrupted; a
@@ -170,9 +164,11 @@ class ManagedServer:
         health = self.url.removesuffix("/v1") + "/health"
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                cause = self.root_cause()
                 raise DraftsmithError(
-                    f"the server exited (code {self.proc.returncode}) before it became healthy; "
-                    f"last lines of {self.log_file}:\n{self.log_tail()}",
+                    f"the server exited (code {self.proc.returncode}) before it became healthy"
+                    + (f": {cause}" if cause else "")
+                    + f"; last lines of {self.log_file}:\n{self.log_tail()}",
                     f"fix the error above; the command was: {shlex.join(self.argv)}")
             try:
                 if httpx.get(health, timeout=5).status_code == 200:
@@ -207,6 +203,21 @@ class ManagedServer:
         # vLLM leaves a /tmp/vllm_dist_<hex> rendezvous file behind on every start.
         for path in set(glob.glob("/tmp/vllm_dist_*")) - getattr(self, "_leftovers", set()):
             Path(path).unlink(missing_ok=True)
+
+    def root_cause(self) -> str | None:
+        """The first exception the server's log names, less the wrappers that only say a
+        worker failed (vLLM's engine core raises `Engine core initialization failed. See root
+        cause above`, which is all the log's last lines show)."""
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            m = _EXCEPTION.search(line)
+            if m and not any(w in m.group(1) for w in _WRAPPERS):
+                cause = m.group(1).strip()
+                return cause if len(cause) <= 400 else cause[:400] + " ..."
+        return None
 
     def log_tail(self, lines: int = 25) -> str:
         try:
