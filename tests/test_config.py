@@ -25,7 +25,7 @@ def test_shipped_params_are_valid_and_complete():
         out = set()
         for k, v in m.model_dump().items():
             out.add(prefix + k)
-            if isinstance(v, dict):
+            if isinstance(v, dict) and hasattr(getattr(m, k), "model_dump"):  # a section
                 out |= model_keys(getattr(m, k), prefix + k + ".")
         return out
     assert keys(shipped) == model_keys(cfg)
@@ -73,6 +73,10 @@ def test_wrong_type_names_key_and_value(tmp_path):
     ({"hidden": {"engine": "vllm", "mode": "online"}}, "online with engine: vllm is not built"),
     ({"hidden": {"engine": "vllm"}, "server": {"engine": "sglang"}},
      "server.engine is 'sglang'"),
+    ({"server": {"speculative_config": {"num_speculative_tokens": 5}}},
+     "benchmark.num_speculative_tokens"),
+    ({"server": {"engine": "sglang", "speculative_config": {"draft_sample_method": "x"}}},
+     "server.extra_args"),
 ])
 def test_impossible_values_fail_before_work(tmp_path, params, needle):
     with pytest.raises(ConfigError) as e:
@@ -87,6 +91,16 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert cfg.generate.num_samples == 10 and cfg.target.embedded.lr == 0.01
     with pytest.raises(ConfigError, match="generate.num_samples"):
         load_config(path, ["generate.num_samples=0"])
+
+
+def test_a_toy_head_width_apart_from_its_model_width(tmp_path):
+    """GPU vLLM's MLA takes heads of 128 only: a narrow toy with wide heads is a valid config."""
+    emb = load_config(write(tmp_path, {"target": {"embedded": {
+        "hidden_size": 128, "num_heads": 4, "head_dim": 128}}})).target.embedded
+    assert emb.head_width == 128
+    assert load_config(write(tmp_path, {})).target.embedded.head_width == 128 // 4
+    with pytest.raises(ConfigError, match="head_dim"):
+        load_config(write(tmp_path, {"target": {"embedded": {"head_dim": 4}}}))
 
 
 def test_default_aux_layers_follow_vllm():

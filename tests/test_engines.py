@@ -120,7 +120,7 @@ def test_a_new_engine_is_one_entry(monkeypatch, tmp_path):
 
     toy = Engine(name="toy", label="Toy", launch="toyserve --model {model}", seed_flag="--s",
                  think_parsers=None, reasoning_fields=("reasoning",),
-                 speculative_args=lambda d, k, m: ["--draft", str(d), "--k", str(k), "--m", m],
+                 speculative_args=lambda d, k, m, more: ["--draft", str(d), "--k", str(k), "--m", m],
                  method_names={"eagle3": "eagle"}, spec_metrics=None, aux_id_offset=0, aux_convention="as vLLM",
                  top_level_aux_ids=False)
     monkeypatch.setitem(engines.ENGINES, "toy", toy)

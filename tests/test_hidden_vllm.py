@@ -180,3 +180,6 @@ def test_the_engines_benchmark_runs_side_by_side(qwen, tmp_path):
     assert vllm["startup_s"] > 0
     assert out["artifacts"]["same_shards_and_samples"]
     assert out["artifacts"]["max_diff_of_scale"] <= RTOL
+    layers = out["artifacts"]["per_layer"]  # every aux layer and the last, each within RTOL
+    assert list(layers)[-1] == "last" and len(layers) == 4
+    assert out["artifacts"]["every_layer_within_tol"] and out["artifacts"]["tol"] == RTOL

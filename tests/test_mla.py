@@ -155,7 +155,9 @@ def test_kimi_k25_layout_goes_through_target_hidden_train_and_export(deepseek_di
     assert c["model_type"] == "deepseek_v2" and c["num_hidden_layers"] == 1
     widths = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     assert {k: c[k] for k in widths} == {k: text_config[k] for k in widths}
-    assert c["rope_parameters"]["rope_type"] == "default"
+    # the plain rope, spelled as YaRN with factor 1 (GPU vLLM 0.26 needs a factor there)
+    assert {k: c["rope_parameters"][k] for k in ("rope_type", "factor", "mscale")} == {
+        "rope_type": "yarn", "factor": 1.0, "mscale": 1.0}
     t = load_file(tmp_path / "export-mla/vllm/model.safetensors")
     H = text_config["hidden_size"]
     assert t["midlayer.self_attn.kv_a_proj_with_mqa.weight"].shape == (

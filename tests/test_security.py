@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 
-CODE = [p for d in ("src/draftsmith", "kernels", "stages") for p in (REPO / d).rglob("*.py")]
+CODE = [p for d in ("src/draftsmith", "src/draftsmith_kernels", "stages") for p in (REPO / d).rglob("*.py")]
 
 
 def calls(name: str):

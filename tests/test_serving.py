@@ -130,6 +130,11 @@ def test_vllm_and_sglang_command_lines(tmp_path):
     spec = speculative_args("vllm", tmp_path, 3)
     assert json.loads(spec[1]) == {"method": "eagle3", "model": str(tmp_path),
                                    "num_speculative_tokens": 3}
+    # server.speculative_config's keys join ours (vLLM drafts greedily unless told)
+    more = {"draft_sample_method": "probabilistic"}
+    assert json.loads(speculative_args("vllm", tmp_path, 3, more)[1]) == {
+        "draft_sample_method": "probabilistic", "method": "eagle3", "model": str(tmp_path),
+        "num_speculative_tokens": 3}
     sg = shlex.join(speculative_args("sglang", tmp_path, 3))
     assert "--speculative-algorithm EAGLE3" in sg and "--speculative-num-steps 3" in sg
     assert "--speculative-num-draft-tokens 4 --speculative-num-steps 3" in sg

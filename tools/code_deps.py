@@ -5,7 +5,7 @@
 
 The closure follows every import statement, function-level ones included (they run too), but
 not those under `if TYPE_CHECKING:` (annotations only: they never run), from
-the stage script through `draftsmith` and `draftsmith_kernels` (kernels/), and adds the
+the stage script through `draftsmith` and `draftsmith_kernels` (src/draftsmith_kernels/), and adds the
 non-Python files a module names next to it (soft_ce.py compiles soft_ce.cu). Data deps (any
 other path) are kept as written. tests/test_code_deps.py holds dvc.yaml to this.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = {"draftsmith": "src/draftsmith", "draftsmith_kernels": "kernels", "stages": "stages"}
+PACKAGES = {"draftsmith": "src/draftsmith", "draftsmith_kernels": "src/draftsmith_kernels", "stages": "stages"}
 
 
 def module_file(name: str) -> Path | None:

@@ -242,10 +242,11 @@ def _check_served_setup(server: ServerConfig, export_dir: Path | None, engine: s
 
 
 def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path,
-                      draft_dir: Path, prompts, work_dir: Path) -> tuple[list[dict], dict]:
+                      draft_dir: Path | None, prompts, work_dir: Path) -> tuple[list[dict], dict]:
     """Serve the target with the exported drafter in `server.engine`, send the prompts at each
     temperature, and read acceptance from the engine's counters. Returns the per-temperature
-    results and the outputs ({temperature: {prompt id: emitted token ids}})."""
+    results and the outputs ({temperature: {prompt id: emitted token ids}}). No draft_dir:
+    the target alone, no counters (what the engine's own numerics give without a drafter)."""
     from draftsmith.export import speculative_args
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
@@ -255,8 +256,12 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
     k = cfg.num_speculative_tokens
     fmt = read_info(target_dir).format
     results, outputs = [], {}
+    extra = speculative_args(server.engine, draft_dir, k, server.speculative_config) \
+        if draft_dir else []
+    count = (lambda url: Counters.scrape(url, k, server.engine)) if draft_dir else \
+        (lambda url: None)
     with serve_target(server, target_dir, work_dir, seed=cfg.seed, launch=True,
-                      extra=speculative_args(server.engine, draft_dir, k)) as urls:
+                      extra=extra) as urls:
         client = ChatClient(server, urls, fmt)
         try:
             for temp in cfg.temperatures:
@@ -267,12 +272,12 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
                         "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
                 reqs = [ChatRequest(p.id, p.messages, {**body, "seed": cfg.seed + i})
                         for i, p in enumerate(prompts)]
-                t0, before = time.time(), Counters.scrape(urls[0], k, server.engine)
+                t0, before = time.time(), count(urls[0])
                 outs = {r.id: o for r, o in tqdm(client.stream(reqs), total=len(reqs),
                                                  desc=f"{server.engine} T={temp}",
                                                  unit="prompt")}
                 wall = time.time() - t0
-                summary = (Counters.scrape(urls[0], k, server.engine) - before).summary()
+                summary = (count(urls[0]) - before).summary() if draft_dir else {}
                 tokens = sum(o.num_tokens for o in outs.values())
                 results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
                                 "tokens_per_s": round(tokens / wall, 1)})

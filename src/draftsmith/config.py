@@ -47,6 +47,9 @@ class EmbeddedTargetConfig(_Section):
     num_layers: int = Field(8, ge=4)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
+    # null: hidden_size / num_heads. GPU vLLM's MLA kernels take only DeepSeek-like heads, so
+    # an MLA toy served there needs 128 (q.k nope and v) in a narrow model
+    head_dim: int | None = Field(None, ge=8)
     intermediate_size: int = Field(384, ge=16)
     max_seq_len: int = Field(256, ge=64)
     train_steps: int = Field(1700, ge=1)
@@ -55,11 +58,16 @@ class EmbeddedTargetConfig(_Section):
     train_examples: int = Field(20000, ge=10)
     eval_examples: int = Field(200, ge=1)
 
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
     @model_validator(mode="after")
     def _heads_divide(self):
-        if self.hidden_size % self.num_heads:
+        if self.hidden_size % self.num_heads and not self.head_dim:
             raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                f"({self.num_heads}), or head_dim set"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -151,6 +159,23 @@ class ServerConfig(_Section):
     request_timeout_s: float = Field(600, gt=0)
     max_retries: int = Field(5, ge=0)
     backoff_s: float = Field(1.0, ge=0)
+    # More keys for vLLM's --speculative-config when the benchmark serves a drafter, e.g.
+    # {draft_sample_method: probabilistic}: vLLM drafts greedily by default, which at T > 0
+    # accepts fewer drafts than exact speculative sampling (docs/gpu.md)
+    speculative_config: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _speculative_keys(self):
+        ours = sorted({"method", "model", "num_speculative_tokens"} & set(self.speculative_config))
+        if ours:
+            raise ValueError(
+                f"speculative_config sets {ours}, which the benchmark sets from the export and "
+                "benchmark.num_speculative_tokens: remove them there")
+        if self.speculative_config and self.engine != "vllm":
+            raise ValueError(
+                f"speculative_config is vLLM's; with engine '{self.engine}' put the engine's "
+                "own speculative flags in server.extra_args")
+        return self
 
     @model_validator(mode="after")
     def _where(self):

@@ -28,18 +28,21 @@ from draftsmith.readers import read_json_object, read_safetensors
 from draftsmith.serving.engines import DEFAULT, ENGINES, Engine
 
 
-def speculative_args(engine: str, draft_dir: Path, k: int) -> list[str]:
+def speculative_args(engine: str, draft_dir: Path, k: int, more: dict | None = None
+                     ) -> list[str]:
     """Arguments that make the engine draft with an exported drafter, k tokens a step, by the
     method its config.json is for (`draftsmith.method`, or told by its architecture), named
     in this engine's words: an export made for one engine may be served by another, as
-    tests do on purpose. An export no method of ours claims is served as EAGLE-3."""
+    tests do on purpose. An export no method of ours claims is served as EAGLE-3. `more`:
+    server.speculative_config (vLLM's other speculative-config keys)."""
     import json
 
     e = ENGINES[engine]
     f = Path(draft_dir) / "config.json"
     config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
     method = method_of_export(config) if isinstance(config, dict) else None
-    return e.speculative_args(draft_dir, k, e.method_names[(method or METHODS["eagle3"]).name])
+    return e.speculative_args(draft_dir, k, e.method_names[(method or METHODS["eagle3"]).name],
+                              more or {})
 
 
 def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:

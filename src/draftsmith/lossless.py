@@ -78,6 +78,7 @@ def check_greedy(model, prompt_ids: list[list[int]], reference: list[list[int]],
     the engine's numerics, not its speculation, picked the other token."""
     same = ties = 0
     first_bad = None
+    gaps = []  # where a differing output parts from the target's: the logit gap, relative
     for i, (prompt, ref, out) in enumerate(zip(prompt_ids, reference, outputs)):
         if ref == out:
             same += 1
@@ -86,12 +87,15 @@ def check_greedy(model, prompt_ids: list[list[int]], reference: list[list[int]],
         if n < min(len(ref), len(out)):
             logits = model(torch.tensor([prompt + ref[:n]], device=model.device)).logits[0, -1]
             gap = float(logits[ref[n]] - logits[out[n]])
-            if abs(gap) <= tie * max(1.0, float(logits[ref[n]].abs())):
+            scale = max(1.0, float(logits[ref[n]].abs()))
+            gaps.append({"prompt": i, "position": n, "relative_gap": round(abs(gap) / scale, 6)})
+            if abs(gap) <= tie * scale:
                 ties += 1
                 continue
         first_bad = first_bad if first_bad is not None else i
     out = {"lossless": same + ties == len(reference), "test": "identical to the target alone",
-           "identical": same, "parted_at_a_tie": ties, "outputs": len(reference)}
+           "identical": same, "parted_at_a_tie": ties, "outputs": len(reference),
+           "tie": tie, "partings": gaps}
     if first_bad is not None:
         out["first_different_prompt"] = first_bad
     return out

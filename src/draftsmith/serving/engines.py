@@ -39,8 +39,9 @@ class Engine:
     # the reasoning stays inline in `content`, verbatim.
     think_parsers: tuple[str, str] | None
     reasoning_fields: tuple[str, ...]  # response message fields a parser puts reasoning in
-    # (drafter export, k, method in the engine's words) -> arguments that make it draft so
-    speculative_args: Callable[[Path, int, str], list[str]]
+    # (drafter export, k, method in the engine's words, server.speculative_config) ->
+    # arguments that make it draft so
+    speculative_args: Callable[[Path, int, str, dict], list[str]]
     # train.method -> what this engine calls it (vLLM's speculative_config.method, SGLang's
     # --speculative-algorithm); a method missing here is one the engine cannot serve.
     method_names: dict[str, str]
@@ -61,15 +62,16 @@ class Engine:
         return [k - self.aux_id_offset for k in aux_layers]
 
 
-def _vllm_speculative(draft_dir: Path, k: int, method: str) -> list[str]:
+def _vllm_speculative(draft_dir: Path, k: int, method: str, more: dict = {}) -> list[str]:
     # method: eagle3 (EAGLE-3 and 3.1) or dflash. vLLM tells DFlash by this name only (or by
     # "dflash" in the path: config/speculative.py), never by the architecture; a DFlash block
-    # is then the last token and k masks.
-    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
+    # is then the last token and k masks. `more`: the user's other keys (config.py refuses
+    # these three there).
+    spec = {**more, "method": method, "model": str(draft_dir), "num_speculative_tokens": k}
     return ["--speculative-config", json.dumps(spec)]
 
 
-def _sglang_speculative(draft_dir: Path, k: int, method: str) -> list[str]:
+def _sglang_speculative(draft_dir: Path, k: int, method: str, more: dict = {}) -> list[str]:
     args = ["--speculative-algorithm", method, "--speculative-draft-model-path", str(draft_dir),
             "--speculative-num-draft-tokens", str(k + 1)]  # verified: k drafts + one
     if method == "EAGLE3":  # a chain of k steps, topk 1

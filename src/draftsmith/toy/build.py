@@ -91,7 +91,7 @@ def _model_config(cfg: EmbeddedTargetConfig, tokenizer) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads, intermediate_size=cfg.intermediate_size,
+        head_dim=cfg.head_width, intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=True, rope_theta=10000.0,
         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.pad_token_id,
@@ -109,7 +109,7 @@ def _mla_config(cfg: EmbeddedTargetConfig, tokenizer) -> DeepseekV3Config:
       `e_score_correction_bias` that the checkpoint holds, and fails loading it;
     - untied embeddings: vLLM's DeepSeek model has no tied lm_head, so a tied checkpoint (no
       `lm_head.weight`) serves uniform logits."""
-    head = cfg.hidden_size // cfg.num_heads
+    head = cfg.head_width
     return DeepseekV3Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The H200 run behind benchmarks/results/gpu_check_h200.md: GPU vLLM serving each drafter the
+# pipeline made beside the reference engine (benchmarks/gpu_serve.py), and vLLM's hidden-state
+# capture beside transformers' per layer (benchmarks/hidden_engines.py), on two toys:
+#   RUN/llama  the embedded Qwen3 toy (params.yaml, models/target, data/raw, data/tokenized)
+#              with drafters/{eagle3,eagle3.1,dflash}/{drafter,export} trained on it;
+#   RUN/mla    an MLA + MoE toy with DeepSeek's head dims (qk_nope 128, rope 64, v 128: the
+#              only kind GPU vLLM's MLA prefill takes), its MLA EAGLE-3 drafter in models/.
+# The parts run at once (the toys need a sliver of the GPU; each server a fixed one): each
+# drafter's serving, the capture of both toys, the GPU tests. Each writes its JSON as it goes,
+# so a run cut short keeps what finished. Usage, with vLLM importable (PYTHONPATH), results
+# to $OUT, PARTS any of "serve capture tests sampling alone" (default the first three):
+#   bash benchmarks/h200_check.sh RUN [PARTS]
+set -uo pipefail
+RUN=${1:?the folder holding llama/ and mla/}
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+       VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+SERVE="python3 -m vllm.entrypoints.cli.main serve {model}"
+# A fixed KV cache: vLLM then skips the free-memory profiling that fails when another process
+# on the GPU frees memory meanwhile (it did, the first time: "Error in memory profiling")
+MEM="--gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296"
+python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', \
+torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" \
+    | tee "$OUT/versions.txt"
+
+PARTS=${2:-"serve capture tests"}
+d=drafters
+serve() {  # serve NAME REPO DRAFTER EXPORT [FLAGS...]: one drafter through gpu_serve.py
+    local name=$1 repo=$2 drafter=$3 export=$4; shift 4
+    python3 benchmarks/gpu_serve.py --repo "$repo" --server-command "$SERVE" \
+        --extra-args="$MEM" --drafter "${name%%+*}=$drafter:$export" "$@" \
+        --out "$OUT/gpu_serve_$name.json" > "$OUT/gpu_serve_$name.log" 2>&1
+    echo "gpu_serve $name rc=$?" >> "$OUT/rc.txt"
+}
+PROB='{"draft_sample_method": "probabilistic"}'
+if [[ $PARTS == *sampling* ]]; then  # T>0 with vLLM drafting from the drafter's distribution
+    for m in eagle3 eagle3.1 dflash; do
+        serve "$m+probabilistic" "$RUN/llama" "$d/$m/drafter" "$d/$m/export" \
+            --temperatures 0.6 --speculative-config "$PROB" &
+        sleep 15
+    done
+fi
+if [[ $PARTS == *alone* ]]; then  # the bf16 MLA target alone in vLLM, greedy, against HF's
+    serve mla-eagle3+alone "$RUN/mla" models/drafter models/export --temperatures 0 --alone &
+fi
+if [[ $PARTS == *serve* ]]; then  # every drafter at once, each with its own server
+    for m in eagle3 eagle3.1 dflash; do
+        serve "$m" "$RUN/llama" "$d/$m/drafter" "$d/$m/export" &
+        sleep 15
+    done
+    serve mla-eagle3 "$RUN/mla" models/drafter models/export &
+fi
+if [[ $PARTS == *capture* ]]; then
+    (for toy in llama mla; do
+         python3 benchmarks/hidden_engines.py --repo "$RUN/$toy" --device cuda \
+             --server-command "$SERVE" --extra-args="$MEM" --tol 0.0625 \
+             --json "$OUT/hidden_engines_$toy.json" > "$OUT/hidden_engines_$toy.log" 2>&1
+         echo "hidden_engines $toy rc=$?" >> "$OUT/rc.txt"
+     done) &
+fi
+if [[ $PARTS == *tests* ]]; then
+    (# the CUDA kernels from their new home (src/draftsmith_kernels), on the GPU
+     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fused_forward.py \
+         > "$OUT/gpu_tests.log" 2>&1
+     echo "gpu tests rc=$?" >> "$OUT/rc.txt"
+     # No GPU MLA backend takes float32 (each one's supported_dtypes): the MLA toy in float32
+     # should be refused at start, naming the dtype
+     timeout 240 python3 -m vllm.entrypoints.cli.main serve "$RUN/mla/models/target/model" \
+         --dtype float32 $MEM --port 18123 > "$OUT/mla_float32_serve.log" 2>&1
+     echo "mla float32 serve rc=$?" >> "$OUT/rc.txt") &
+fi
+wait
+cat "$OUT/rc.txt"
