@@ -28,6 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 
+def launched(cfg, server_command: str, extra_args: str, speculative_config: dict = {}):
+    """The repo's server section, launching vLLM with this command line."""
+    return cfg.server.model_copy(update={
+        "engine": "vllm", "launch": True, "command": server_command, "extra_args": extra_args,
+        "speculative_config": {**cfg.server.speculative_config, **speculative_config}})
+
+
 def check(repo: Path, name: str, drafter: Path, export: Path, server_command: str,
           extra_args: str, temperatures: list[float], device: str | None,
           speculative_config: dict) -> dict:
@@ -38,9 +45,7 @@ def check(repo: Path, name: str, drafter: Path, export: Path, server_command: st
     cfg = load_config(repo / "params.yaml")
     bench = cfg.benchmark.model_copy(update={"engines": ["reference", "vllm"],
                                              "temperatures": temperatures})
-    server = cfg.server.model_copy(update={
-        "engine": "vllm", "launch": True, "command": server_command, "extra_args": extra_args,
-        "speculative_config": {**cfg.server.speculative_config, **speculative_config}})
+    server = launched(cfg, server_command, extra_args, speculative_config)
     t0, starts = time.time(), len(ManagedServer.startups)
     with tempfile.TemporaryDirectory() as work:
         m = benchmark.run(bench, repo / "models/target", drafter, repo / "data/raw",
@@ -77,8 +82,7 @@ def alone(repo: Path, server_command: str, extra_args: str, device: str | None) 
 
     cfg = load_config(repo / "params.yaml")
     bench = cfg.benchmark.model_copy(update={"temperatures": [0.0]})
-    server = cfg.server.model_copy(update={"engine": "vllm", "launch": True,
-                                           "command": server_command, "extra_args": extra_args})
+    server = launched(cfg, server_command, extra_args)
     prompts, _ = benchmark.held_out_prompts(bench, repo / "data/raw")
     judge = benchmark.TargetJudge(bench, repo / "models/target", prompts, device)
     with tempfile.TemporaryDirectory() as work:
@@ -108,21 +112,20 @@ def main(argv=None) -> int:
                    help="also serve the target alone, greedy, judged like the drafted outputs")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
-    results = []
+    out = {"command": shlex.join(["python", "benchmarks/gpu_serve.py", *(argv or sys.argv[1:])]),
+           "results": []}
+    results = out["results"]
     for spec in a.drafter:
         name, _, dirs = spec.partition("=")
         drafter, _, export = dirs.partition(":")
         results.append(check(a.repo, name, a.repo / drafter, a.repo / export,
                              a.server_command, a.extra_args, a.temperatures, a.device,
                              a.speculative_config))
-        command = shlex.join(["python", "benchmarks/gpu_serve.py", *(argv or sys.argv[1:])])
-        a.out.write_text(json.dumps({"command": command, "results": results},
-                                    indent=2) + "\n")  # after each: a later failure keeps it
+        a.out.write_text(json.dumps(out, indent=2) + "\n")  # after each: a failure keeps it
     if a.alone:
-        target_alone = alone(a.repo, a.server_command, a.extra_args, a.device)
-        a.out.write_text(json.dumps({"command": command, "results": results,
-                                     "target_alone": target_alone}, indent=2) + "\n")
-        print("target alone in vLLM, greedy:", target_alone["identical_to_transformers"])
+        out["target_alone"] = alone(a.repo, a.server_command, a.extra_args, a.device)
+        a.out.write_text(json.dumps(out, indent=2) + "\n")
+        print("target alone in vLLM, greedy:", out["target_alone"]["identical_to_transformers"])
     print(f"{'drafter':<12} {'T':>4} {'reference':>9} {'vLLM':>7} {'ratio':>6} "
           f"{'lossless ref/vLLM':>18}")
     for r in results:

@@ -258,8 +258,6 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
     results, outputs = [], {}
     extra = speculative_args(server.engine, draft_dir, k, server.speculative_config) \
         if draft_dir else []
-    count = (lambda url: Counters.scrape(url, k, server.engine)) if draft_dir else \
-        (lambda url: None)
     with serve_target(server, target_dir, work_dir, seed=cfg.seed, launch=True,
                       extra=extra) as urls:
         client = ChatClient(server, urls, fmt)
@@ -272,12 +270,14 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
                         "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
                 reqs = [ChatRequest(p.id, p.messages, {**body, "seed": cfg.seed + i})
                         for i, p in enumerate(prompts)]
-                t0, before = time.time(), count(urls[0])
+                t0 = time.time()
+                before = Counters.scrape(urls[0], k, server.engine) if draft_dir else None
                 outs = {r.id: o for r, o in tqdm(client.stream(reqs), total=len(reqs),
                                                  desc=f"{server.engine} T={temp}",
                                                  unit="prompt")}
                 wall = time.time() - t0
-                summary = (count(urls[0]) - before).summary() if draft_dir else {}
+                summary = (Counters.scrape(urls[0], k, server.engine) - before).summary() \
+                    if draft_dir else {}
                 tokens = sum(o.num_tokens for o in outs.values())
                 results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
                                 "tokens_per_s": round(tokens / wall, 1)})
