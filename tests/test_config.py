@@ -1,9 +1,10 @@
+import torch
 import pytest
 import yaml
 from pydantic import ValidationError
 
-from draftsmith.config import Config, default_aux_layers, load_config
-from draftsmith.errors import ConfigError
+from draftsmith.config import Config, EmbeddedTargetConfig, default_aux_layers, load_config
+from draftsmith.errors import ConfigError, DraftsmithError
 
 from conftest import REPO
 
@@ -113,3 +114,13 @@ def test_sections_are_independent_objects():
     assert set(Config.model_fields) >= {"target", "generate", "tokenize", "vocab", "hidden"}
     with pytest.raises(ValidationError, match="frozen"):
         cfg.generate.seed = 3  # frozen: stages cannot mutate shared config
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, device cuda would train")
+def test_embedded_target_on_cuda_without_a_gpu_is_refused_before_any_work(tmp_path):
+    from draftsmith.toy import build
+
+    cfg = EmbeddedTargetConfig(device="cuda")
+    with pytest.raises(DraftsmithError, match="target.embedded.device"):
+        build.build(cfg, tmp_path / "model")
+    assert not (tmp_path / "model").exists()

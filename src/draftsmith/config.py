@@ -57,6 +57,9 @@ class EmbeddedTargetConfig(_Section):
     lr: float = Field(3e-3, gt=0)
     train_examples: int = Field(20000, ge=10)
     eval_examples: int = Field(200, ge=1)
+    # cpu by default: the embedded default's figures stay bit-reproducible on any machine; cuda
+    # (bf16 autocast) for a GPU-sized toy (presets/h200.yaml)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
 
     @property
     def head_width(self) -> int:

@@ -12,6 +12,7 @@ thinking-off path is a real behaviour of the model too.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 import random
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationCon
 
 from draftsmith.chat_format import FORMATS
 from draftsmith.config import EmbeddedTargetConfig
+from draftsmith.errors import DraftsmithError
 from draftsmith.inprocess import complete
 from draftsmith.render import prompt_text
 from draftsmith.toy import tasks
@@ -130,7 +132,7 @@ def _eval_loss(model, rows, pad_id: int, batch_size: int = 64) -> float:
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(rows), batch_size):
-        ids, labels = _batch(rows[i:i + batch_size], pad_id)
+        ids, labels = (t.to(model.device) for t in _batch(rows[i:i + batch_size], pad_id))
         n = int((labels[:, 1:] != -100).sum())
         total += float(model(input_ids=ids, labels=labels).loss) * n
         count += n
@@ -161,9 +163,19 @@ def _majority_baseline(train_exs, eval_exs) -> float:
     return sum(ex.answer == best.get(ex.task) for ex in eval_exs) / len(eval_exs)
 
 
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DraftsmithError("target.embedded.device is cuda but no GPU is visible",
+                              "set target.embedded.device: cpu (or auto)")
+    return torch.device(name)
+
+
 def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dict:
     """Train the toy target (Qwen3, or DeepSeek-V3 when `mla`) and save it to out_dir in the
     standard HF layout. Returns metrics."""
+    device = _device(cfg.device)  # before any work
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     train_exs = tasks.examples(cfg.train_examples, cfg.seed, "train")
@@ -180,7 +192,10 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
     eval_rows = _encode(tokenizer, eval_exs, cfg.seed + 1, cfg.max_seq_len)
 
     model = (DeepseekV3ForCausalLM(_mla_config(cfg, tokenizer)) if mla
-             else Qwen3ForCausalLM(_model_config(cfg, tokenizer)))
+             else Qwen3ForCausalLM(_model_config(cfg, tokenizer))).to(device)
+    # fp32 master weights; on a GPU the forward and backward run in bf16 (a GPU-sized toy
+    # trains in minutes there), on the CPU in fp32 as before (bit-reproducible figures)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(cfg.seed)
     batches: list[list[int]] = []
@@ -189,11 +204,13 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
     for step in bar:
         if not batches:
             batches = _length_grouped_batches(rows, cfg.batch_size, rng)
-        ids, labels = _batch([rows[i] for i in batches.pop()], tokenizer.pad_token_id)
+        ids, labels = (t.to(device) for t in _batch([rows[i] for i in batches.pop()],
+                                                     tokenizer.pad_token_id))
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg.train_steps, cfg.lr)
         model.train()
-        loss = model(input_ids=ids, labels=labels).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -208,7 +225,8 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
     metrics.update(
         parameters=sum(p.numel() for p in model.parameters()),
         vocab_size=len(tokenizer), train_tokens=tokens,
-        train_tokens_per_s=round(tokens / train_s, 1), eval_examples=len(eval_exs),
+        train_tokens_per_s=round(tokens / train_s, 1), train_device=device.type,
+        eval_examples=len(eval_exs),
         chance_accuracy=round(_majority_baseline(train_exs, eval_exs), 4),
     )
     model.generation_config = GenerationConfig(

