@@ -41,7 +41,9 @@ def _default_toy() -> dict:
     import yaml
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    return {"embedded": params["target"]["embedded"], "mla": False,
+    # `device` says where it trains, not what: these runs are the CPU's, as the default's
+    embedded = {k: v for k, v in params["target"]["embedded"].items() if k != "device"}
+    return {"embedded": embedded, "mla": False,
             "max_new_tokens": params["generate"]["max_new_tokens"]}
 
 
