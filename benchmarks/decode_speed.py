@@ -29,6 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from gpu_serve import launched  # noqa: E402  (the server section with launch flags: one place)
+
 
 def shape_target(target_dir: Path, spec: str, out: Path) -> tuple[Path, dict]:
     """A copy of the target artifact whose config is the Qwen3 shape HIDDEN:LAYERS (heads of 128
@@ -103,12 +105,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     cfg = load_config(a.repo / "params.yaml")
-    update = {"launch": True, "engine": "vllm"}
-    if a.server_command:
-        update["command"] = a.server_command
-    if a.extra_args is not None:
-        update["extra_args"] = a.extra_args
-    server = cfg.server.model_copy(update=update)
+    server = launched(cfg, a.server_command or cfg.server.command,
+                      cfg.server.extra_args if a.extra_args is None else a.extra_args)
     k = cfg.benchmark.num_speculative_tokens
     max_tokens = a.max_tokens or cfg.benchmark.max_new_tokens
     prompts, _ = benchmark.held_out_prompts(cfg.benchmark, a.repo / "data/raw")

@@ -81,9 +81,8 @@ def apply(params_text: str, preset: dict) -> tuple[str, list[str]]:
                               "fix the key's name in the preset (`draftsmith config show` "
                               "lists every key)")
         m = _LINE.match(lines[where[path]].rstrip("\n"))
-        old, comment = _split_comment(m["rest"])
-        pad = len(old) - len(old.lstrip()) or 1
-        new = f"{m['indent']}{m['key']}:{' ' * pad}{_render(value)}"
+        comment = _split_comment(m["rest"])[1]
+        new = f"{m['indent']}{m['key']}: {_render(value)}"
         if comment:  # the file's usual comment column, where the new value leaves room
             new = new.ljust(column) + comment.lstrip() if len(new) + 2 <= column \
                 else f"{new}  {comment.lstrip()}"

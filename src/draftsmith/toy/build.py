@@ -12,9 +12,9 @@ thinking-off path is a real behaviour of the model too.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from draftsmith.config import EmbeddedTargetConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.inprocess import complete
 from draftsmith.render import prompt_text
+from draftsmith.target_info import default_device
 from draftsmith.toy import tasks
 from draftsmith.toy.tokenizer import IM_END, train_tokenizer
 
@@ -165,7 +166,7 @@ def _majority_baseline(train_exs, eval_exs) -> float:
 
 def _device(name: str) -> torch.device:
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = default_device()
     if name == "cuda" and not torch.cuda.is_available():
         raise DraftsmithError("target.embedded.device is cuda but no GPU is visible",
                               "set target.embedded.device: cpu (or auto)")
