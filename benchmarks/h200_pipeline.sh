@@ -49,7 +49,7 @@ torch.__version__, 'transformers', transformers.__version__)" | tee "$R/versions
 stages generate tokenize vocab hidden train export benchmark
 mkdir -p "$R/metrics" && cp metrics/*.json "$R/metrics/" && cp -r plots "$R/" 2>/dev/null
 python benchmarks/decode_speed.py --repo . --export models/export/vllm \
-    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8 2048:28} \
+    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8 2048:28 4096:36} \
     --extra-args="${DECODE_EXTRA_ARGS:---gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296}" \
     --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
 echo "decode_speed rc=$?" >> "$R/DONE"

@@ -1,11 +1,13 @@
 """The losslessness check: it passes the reference engine's sampled outputs and fails engines
 whose outputs do not follow the target (always accepting drafts, a wrong temperature, noise)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from draftsmith import speculative
-from draftsmith.lossless import check_greedy, check_sampled, ks_uniform
+from draftsmith.lossless import check_greedy, check_sampled, ks_uniform, tie_tolerance
 from draftsmith.drafters.eagle3 import Eagle3Proposer
 
 from conftest import random_drafter, tiny_llama
@@ -81,3 +83,32 @@ def test_greedy_check(target):
     wrong = [ref[0], ref[1], ref[2][:3] + [(ref[2][3] + 1) % V] + ref[2][4:]]
     v = check_greedy(target, p, ref, wrong)
     assert v["lossless"] is False and v["first_different_prompt"] == 2 and v["identical"] == 2
+
+
+class FixedLogits(torch.nn.Module):
+    """A target whose next-token logits are always `row`, in `row`'s dtype: the judge's tie
+    rule on exact numbers."""
+
+    def __init__(self, row: torch.Tensor):
+        super().__init__()
+        self.register_buffer("row", row)
+        self.dtype, self.device = row.dtype, row.device
+
+    def forward(self, ids):
+        return SimpleNamespace(logits=self.row.expand(1, ids.shape[1], -1))
+
+
+@pytest.mark.parametrize("runner_up, dtype, tie", [
+    (20.25, torch.bfloat16, True),    # one bf16 step below 20.375: neighbours, a tie in bf16
+    (20.125, torch.bfloat16, False),  # two steps: bf16 resolves it
+    (20.25, torch.float32, False),    # the same gap in fp32 (relative 0.006 > 1e-3)
+])
+def test_greedy_ties_follow_the_targets_dtype(runner_up, dtype, tie):
+    """vLLM serving a bf16 target picked the runner-up where the judge's bf16 logits were one
+    bf16 step apart (relative gap 0.0061 on the H200): a tie at the precision the target runs
+    in, not a speculation error; two steps are not."""
+    assert tie_tolerance(torch.bfloat16) == 2 ** -7 and tie_tolerance(torch.float32) == 1e-3
+    model = FixedLogits(torch.tensor([20.375, runner_up, 0.0], dtype=dtype))
+    v = check_greedy(model, [[2]], reference=[[0, 0]], outputs=[[1, 0]])
+    assert v["partings"][0]["position"] == 0
+    assert v["lossless"] is tie and v["parted_at_a_tie"] == int(tie) and v["identical"] == 0

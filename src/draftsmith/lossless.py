@@ -71,11 +71,21 @@ def check_sampled(model, prompt_ids, output_ids, temperature: float, seed: int =
 
 
 @torch.no_grad()
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """How close, relative, two logits are when they tie for the target's dtype: 1e-3 (fp32,
+    where engines differ only in summation order), or one rounding step of a lower dtype (bf16:
+    2^-7 of the logit). Two bf16 logits one step apart are neighbouring bf16 numbers: below what
+    the target computes in, either engine's order of summation picks either token."""
+    return max(1e-3, torch.finfo(dtype).eps)
+
+
 def check_greedy(model, prompt_ids: list[list[int]], reference: list[list[int]],
-                 outputs: list[list[int]], tie: float = 1e-3) -> dict:
+                 outputs: list[list[int]], tie: float | None = None) -> dict:
     """The T=0 verdict: every output identical to the target's own greedy one, except where
-    the two part at a tie (the target's logits for both tokens within `tie`, relative): there
-    the engine's numerics, not its speculation, picked the other token."""
+    the two part at a tie (the target's logits for both tokens within `tie`, relative; default
+    `tie_tolerance` of the model's dtype): there the engine's numerics, not its speculation,
+    picked the other token."""
+    tie = tie_tolerance(model.dtype) if tie is None else tie
     same = ties = 0
     first_bad = None
     gaps = []  # where a differing output parts from the target's: the logit gap, relative
