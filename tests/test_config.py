@@ -71,7 +71,7 @@ def test_wrong_type_names_key_and_value(tmp_path):
     ({"generate": {"max_new_tokens": 400}}, "leaves no room"),
     ({"benchmark": {"num_speculative_tokens": 0}}, "benchmark.num_speculative_tokens"),
     ({"train": {"init": "no/such/drafter"}}, "neither 'copy', 'scratch' nor an existing"),
-    ({"hidden": {"engine": "vllm", "mode": "online"}}, "online with engine: vllm is not built"),
+    ({"hidden": {"online_ahead": 0}}, "hidden.online_ahead"),
     ({"hidden": {"engine": "vllm"}, "server": {"engine": "sglang"}},
      "server.engine is 'sglang'"),
     ({"server": {"speculative_config": {"num_speculative_tokens": 5}}},

@@ -148,8 +148,8 @@ def inputs(toy_target, tokenized, one_process, tmp_path_factory) -> dict:
 def _train(tmp: Path, inputs: dict, nproc: int, parallel: str = "ddp") -> subprocess.Popen:
     return _stage("train", _params(tmp, f"train{nproc}", nproc,
                                    train=dict(TRAIN, parallel=parallel)), **inputs,
-                  out=tmp / "drafter", checkpoints=tmp / "ckpt", curve=tmp / "curve.csv",
-                  plot=tmp / "curve.png", metrics=tmp / "m.json")
+                  out=tmp / "drafter", checkpoints=tmp / "ckpt", work=tmp / "train.work",
+                  curve=tmp / "curve.csv", plot=tmp / "curve.png", metrics=tmp / "m.json")
 
 
 def _curve(path: Path) -> dict[int, list[float]]:
@@ -223,8 +223,8 @@ def test_online_training_on_two_processes_follows_one(inputs, tmp_path):
     for n in (1, 2):
         tmp = tmp_path / f"p{n}"
         _ok(_stage("train", _params(tmp_path, f"online{n}", n, train=short), **online,
-                   out=tmp / "drafter", checkpoints=tmp / "ckpt", curve=tmp / "curve.csv",
-                   plot=tmp / "curve.png", metrics=tmp / "m.json"))
+                   out=tmp / "drafter", checkpoints=tmp / "ckpt", work=tmp / "train.work",
+                   curve=tmp / "curve.csv", plot=tmp / "curve.png", metrics=tmp / "m.json"))
         curves[n] = _curve(tmp / "curve.csv")
         assert json.loads((tmp / "m.json").read_text())["hidden_mode"] == "online"
     for step in curves[1]:
@@ -252,8 +252,8 @@ def test_the_mla_drafter_on_two_processes_follows_one(deepseek_dir, tmp_path):
         d = tmp_path / f"p{n}"
         _ok(_stage("train", _params(tmp_path, f"mla{n}", n, train=mla), target=tmp_path / "target",
                    tokenized=tok, hidden=tmp_path / "h", vocab=tmp_path / "vocab",
-                   out=d / "drafter", checkpoints=d / "ckpt", curve=d / "curve.csv",
-                   plot=d / "curve.png", metrics=d / "m.json"))
+                   out=d / "drafter", checkpoints=d / "ckpt", work=d / "train.work",
+                   curve=d / "curve.csv", plot=d / "curve.png", metrics=d / "m.json"))
         runs[n] = d
         assert json.loads((d / "m.json").read_text())["processes"] == n
     one, two = _curve(runs[1] / "curve.csv"), _curve(runs[2] / "curve.csv")

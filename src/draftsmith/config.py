@@ -214,14 +214,8 @@ class HiddenConfig(_Section):
     shard_mb: float = Field(1024, gt=0)
     attention: Literal["auto", "varlen", "sdpa", "flex_attention", "eager"] = "auto"
     device_map: Literal["auto"] | None = None
-
-    @model_validator(mode="after")
-    def _engine(self):
-        if self.engine != "hf" and self.mode == "online":
-            raise ValueError(f"mode: online with engine: {self.engine} is not built: online "
-                             "training runs the target in transformers. Use mode: offline (the "
-                             "engine writes the states once), or engine: hf")
-        return self
+    online_ahead: int = Field(4, ge=1)
+    online_keep: bool = False
 
 
 class DFlashConfig(_Section):

@@ -14,7 +14,8 @@ sized in bytes (`shard_mb`); finished shards survive an interruption and are reu
 stage restarts with the same inputs (`resume.json` pins them).
 
 Under torchrun each process extracts every world-size-th shard; the first writes the manifest.
-`mode: online` stores nothing: the train stage runs the target itself (`capture_rows`).
+`mode: online` stores nothing: the train stage runs the target itself (`capture_rows`), or
+with `engine: vllm` fetches the states from a server as it trains (train/engine_feed.py).
 
 `engine: vllm` runs the target in a vLLM server instead (serving/hidden_states.py: a 1T INT4
 MoE under tensor/expert parallelism) and writes the same shards and manifest from its states.
@@ -272,7 +273,13 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
     info = read_info(target_dir)
     layers = check_aux_layers(cfg, info.num_layers)  # before loading anything big
     if cfg.mode == "online":
-        return write_online_manifest(layers, info.hidden_size, out_dir) if w.main else {}
+        if cfg.engine == "vllm":  # what the engine cannot capture: refused now, not in train
+            from draftsmith.serving.hidden_states import check_capture
+            from draftsmith.target_info import load_final_norm
+
+            check_capture(load_final_norm(target_dir)[1].model_type, layers)
+        return write_online_manifest(layers, info.hidden_size, out_dir, cfg.engine,
+                                     cfg.dtype) if w.main else {}
     lengths = sample_lengths(tokenized_dir)
     check_window(lengths, context_length(target_dir))  # before loading or serving the target
     if cfg.engine == "vllm":
@@ -294,13 +301,14 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
                             pad_id, w)
 
 
-def write_online_manifest(layers: list[int], hidden_size: int, out_dir: Path) -> dict:
+def write_online_manifest(layers: list[int], hidden_size: int, out_dir: Path,
+                          engine: str = "hf", dtype: str = "bfloat16") -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in out_dir.glob("*"):
         f.unlink()
-    write_json(out_dir / HIDDEN_MANIFEST, online_manifest(layers, hidden_size))
-    return {"mode": "online", "aux_layers": layers, "bytes": 0}
+    write_json(out_dir / HIDDEN_MANIFEST, online_manifest(layers, hidden_size, engine, dtype))
+    return {"mode": "online", "engine": engine, "aux_layers": layers, "bytes": 0}
 
 
 def _prepare_out(out_dir: Path, key: str) -> None:

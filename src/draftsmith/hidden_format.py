@@ -9,7 +9,8 @@ The artifact is a folder of `hidden-NNNNN.safetensors` shards and a `manifest.js
   L aux layers, `final` (n, H) after the final norm, in the stored dtype; `input_ids` (n,)
   int32, `loss_mask` (n,) uint8, `cu_seqlens` (samples + 1,) int64; in fp8 shards also
   `aux_scale` (n, L) and `final_scale` (n, 1) fp32, one scale per token and layer;
-- the manifest: `mode` (offline | online: no shards, training runs the target itself),
+- the manifest: `mode` (offline | online: no shards, training runs the target itself, or
+  with `engine: vllm` fetches the states from a server as it goes),
   `aux_layers`, `hidden_size`, `dtype` (offline), and per shard its file, sample ids and
   lengths in stored order, bytes and sha256.
 
@@ -101,9 +102,12 @@ def offline_manifest(aux_layers: list[int], hidden_size: int, dtype: str,
             "dtype": dtype, "shards": shards}
 
 
-def online_manifest(aux_layers: list[int], hidden_size: int) -> dict:
-    return {"mode": "online", "aux_layers": aux_layers, "hidden_size": hidden_size,
-            "shards": []}
+def online_manifest(aux_layers: list[int], hidden_size: int, engine: str = "hf",
+                    dtype: str = "bfloat16") -> dict:
+    """engine: what runs the target for training (hf: the trainer itself; vllm: a server it
+    fetches the states from, cast to dtype as offline shards store them)."""
+    return {"mode": "online", "engine": engine, "aux_layers": aux_layers,
+            "hidden_size": hidden_size, "dtype": dtype, "shards": []}
 
 
 def read_hidden_manifest(hidden_dir: Path) -> dict:

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.config import HiddenConfig, TrainConfig
+from draftsmith.config import HiddenConfig, ServerConfig, TrainConfig
+from draftsmith.hidden_format import read_hidden_manifest
 from draftsmith.target_info import TargetHead, load_target_head
 from draftsmith.train.loop import train
 
 
 def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
         ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None,
-        tokenized_dir: Path | None = None, hidden: HiddenConfig | None = None) -> dict:
+        tokenized_dir: Path | None = None, hidden: HiddenConfig | None = None,
+        server: ServerConfig | None = None, work_dir: Path | None = None) -> dict:
     """The stage: reads only the target's embedding, lm_head and final norm, unless the hidden
-    artifact is online (hidden.mode: online): then the whole target runs here, on every batch."""
+    artifact is online (hidden.mode: online): then the whole target runs here, on every batch,
+    or with `hidden.engine: vllm` in a vLLM server (`server`: launched, its log and files in
+    work_dir, or server.urls) that captures each batch's states as training needs them."""
 
     def load_target(device):
         from draftsmith.capture import set_attention
@@ -36,8 +40,57 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         from draftsmith.target_info import load_tokenizer
 
         mask = mask_token_id(load_tokenizer(target_dir), head.config.vocab_size)
-    return train(cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
-                 tokenized_dir, load_target, mask)
+    args = (cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
+            tokenized_dir, load_target, mask)
+    manifest = read_hidden_manifest(hidden_dir)
+    if manifest["mode"] == "online" and manifest.get("engine", "hf") != "hf":
+        return _train_from_engine(args, manifest, target_dir, tokenized_dir,
+                                  hidden or HiddenConfig(), server or ServerConfig(),
+                                  Path(work_dir or Path(out_dir).with_name("train.work")))
+    return train(*args)
+
+
+def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_dir: Path,
+                       hidden: HiddenConfig, server: ServerConfig, work_dir: Path) -> dict:
+    """Online with the engine: a capture server for the whole run, and the disk its files
+    took at most beside the bound on it."""
+    import torch
+
+    from draftsmith.artifacts import sample_lengths
+    from draftsmith.serving import hidden_states as engine
+    from draftsmith.target_info import load_final_norm, read_info
+    from draftsmith.train.engine_feed import DiskPeak, disk_bound
+
+    norm, config = load_final_norm(target_dir)
+    layers = manifest["aux_layers"]
+    engine.check_capture(config.model_type, layers)
+    states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
+    lengths = sample_lengths(tokenized_dir)
+    with engine.served_capture(server, target_dir, work_dir, states) as client, \
+            DiskPeak(work_dir / "states") as disk:
+        engine.check_lengths(lengths, client.max_model_len, "the server")
+        keep = (work_dir / "kept", _kept_key(target_dir, tokenized_dir, manifest)) \
+            if hidden.online_keep else None
+        metrics = train(*args, engine=client, online_ahead=hidden.online_ahead, keep=keep)
+    if metrics and not server.urls:  # a launched server: its files are ours to watch
+        metrics.update(engine_disk_peak_bytes=disk.peak, engine_disk_bound_bytes=disk_bound(
+            server.concurrency, max(lengths.values()), len(states.ids), config.hidden_size,
+            getattr(torch, read_info(target_dir).dtype)))
+    return metrics
 
 
 __all__ = ["run", "train", "TargetHead"]
+
+
+def _kept_key(target_dir: Path, tokenized_dir: Path, manifest: dict) -> str:
+    """What kept states are a function of: the target, the samples, the layers and dtype."""
+    import hashlib
+    import json
+
+    from draftsmith.artifacts import TOKENIZED_MANIFEST
+    from draftsmith.target_info import read_info
+
+    h = hashlib.sha256((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_bytes())
+    h.update(json.dumps([read_info(target_dir).revision, manifest["aux_layers"],
+                         manifest.get("dtype")]).encode())
+    return h.hexdigest()[:16]

@@ -146,11 +146,17 @@ class TokenStore(HiddenStore):
 
 
 def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenStore:
-    """The hidden artifact's samples, or in online mode the tokenized ones."""
-    if read_hidden_manifest(hidden_dir).get("mode") == "online":
+    """The hidden artifact's samples, or in online mode the tokenized ones (with the engine:
+    their states fetched from it, train/engine_feed.py)."""
+    manifest = read_hidden_manifest(hidden_dir)
+    if manifest.get("mode") == "online":
         if tokenized_dir is None:
             raise DraftsmithError("the hidden artifact is online (no states stored) but no "
                                   "tokenized data was given", "pass the tokenized artifact")
+        if manifest.get("engine", "hf") != "hf":
+            from draftsmith.train.engine_feed import EngineStore
+
+            return EngineStore(tokenized_dir, hidden_dir)
         return TokenStore(tokenized_dir, hidden_dir)
     return HiddenStore(hidden_dir)
 

@@ -29,6 +29,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import TargetHead
 from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
                                    schedule)
+from draftsmith.train.engine_feed import EngineFeed, EngineStore
 from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed, shard_over_world
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
 from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
@@ -292,9 +293,13 @@ def step_seed(cfg: TrainConfig, step: int) -> int:
 def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
           ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None,
           tokenized_dir: Path | None = None, load_target=None,
-          mask_token_id: int | None = None) -> dict:
+          mask_token_id: int | None = None, engine=None, online_ahead: int = 4,
+          keep: tuple[Path, str] | None = None) -> dict:
     """load_target(device): the whole target, for online mode (the hidden artifact says which).
-    mask_token_id: the token of DFlash's masked slots (dflash.mask_token_id)."""
+    mask_token_id: the token of DFlash's masked slots (dflash.mask_token_id). engine: online
+    mode with a serving engine (serving.hidden_states.HiddenStatesClient), whose states of the
+    next `online_ahead` steps are fetched while the trainer runs (train/engine_feed.py); keep:
+    (folder, key) to also keep them there as an offline hidden artifact (EngineStore.keep_in)."""
     from draftsmith.vocab import load as load_vocab
 
     w = world()
@@ -306,11 +311,20 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
     train_ids, eval_ids = store.split(cfg.eval_samples)
     if not train_ids:
         raise DraftsmithError("no training samples", "lower train.eval_samples or add data")
+    fed = isinstance(store, EngineStore)  # online, the states from a serving engine
     online = isinstance(store, TokenStore)
-    if online and load_target is None:
+    if fed:
+        if engine is None:
+            raise DraftsmithError("the hidden artifact is online with a serving engine, but "
+                                  "no engine was given", "pass engine (the train stage does)")
+        store.client = engine
+        if keep is not None:
+            store.keep_in(*keep)
+        store.fetch(eval_ids)  # held for the first and the last evaluation
+    elif online and load_target is None:
         raise DraftsmithError("hidden.mode is online but the target model was not given",
                               "pass load_target (the train stage does)")
-    target = load_target(rt.device) if online else None
+    target = load_target(rt.device) if online and not fed else None
     trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers,
                                              mask_token_id), head, target, w, vocab=(d2t, t2d))
     model = trainer.model
@@ -326,15 +340,26 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         plan += schedule(store, train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, epoch)
         epoch += 1
     # The same global steps whatever the world size; each process takes its share of the rows.
-    batches = loader(store, [split(trainer.full(rows), w) for rows in plan[start:cfg.steps]],
-                     cfg.seq_len, device=rt.device, workers=cfg.num_workers)
+    steps = [split(trainer.full(rows), w) for rows in plan[start:cfg.steps]]
+    feed = EngineFeed(store, steps, cfg.seq_len, online_ahead) if fed else None
+    batches = iter(feed or loader(store, steps, cfg.seq_len, device=rt.device,
+                                  workers=cfg.num_workers))
     tokens = torch.zeros((), dtype=torch.long, device=rt.device)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.time()
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not w.main)
     trainer.compute.train()
-    for step, batch in zip(range(start, cfg.steps), batches):
+    for step in range(start, cfg.steps):
+        try:
+            batch = next(batches)
+        except Exception:
+            if feed is not None:
+                feed.close()
+                if step > start and w.main and not trainer.fsdp:
+                    # the engine failed: the steps trained so far are kept for the rerun
+                    save_checkpoint(Path(ckpt_dir), *trainer.state(), step, key, curve)
+            raise
         batch = batch.to(rt.device, non_blocking=True)
         loss, stats = trainer.step(batch, _lr(step, cfg), step_seed(cfg, step))
         tokens += batch.tokens
@@ -345,7 +370,8 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
             for j, (_, c, n) in enumerate(per):
                 row[f"acc_{j}"] = round(c / max(1, n), 4)
             curve.append(row)
-            bar.set_postfix(loss=row["loss"], acc0=row["acc_0"])
+            rates = feed_rates(feed, t0) if feed else {}  # the engine's, and the waiting
+            bar.set_postfix(loss=row["loss"], acc0=row["acc_0"], **rates)
         bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps \
                 and (w.main or trainer.fsdp):  # FSDP2 gathers from every process; DDP needs one
@@ -354,6 +380,8 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
                 save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
     bar.close()
     seconds = time.time() - t0  # float(loss) above synchronised at the last step
+    if feed is not None:
+        feed.close()
     trained_tokens = int(w.sum_(tokens))
     final = trainer.evaluate(store, eval_ids)
     drafter = trainer.saved_drafter()
@@ -379,12 +407,25 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         "train_tokens_per_s": round(trained_tokens / seconds, 1) if seconds > 0 else None,
         "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
         "device": rt.device.type, "compute_dtype": str(rt.dtype).removeprefix("torch."),
-        "attention": rt.attention, "hidden_mode": "online" if online else "offline",
+        "attention": rt.attention,
+        "hidden_mode": "online (engine)" if fed else "online" if online else "offline",
         "processes": w.size,
     }
+    if feed is not None:  # the pair's rates: the engine's alone, and the trainer's waiting
+        metrics.update(engine_tokens=store.fetched, engine_tokens_per_s=feed.engine_tokens_per_s,
+                       trainer_idle_share=round(feed.idle_s / seconds, 4) if seconds else None,
+                       kept_states=str(keep[0]) if keep else None)
     if rt.device.type == "cuda":
         metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
     return metrics
+
+
+def feed_rates(feed, t0: float) -> dict:
+    """The progress bar's view of the engine and the trainer: tokens a second the engine
+    delivers, and the share of the time the trainer waited for it."""
+    elapsed = max(time.time() - t0, 1e-9)
+    return {"engine_tok_s": f"{feed.engine_tokens_per_s or 0:.0f}",
+            "waiting": f"{feed.idle_s / elapsed:.0%}"}
 
 
 def _write_curve(path: Path, curve: list[dict]) -> None:
