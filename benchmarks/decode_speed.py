@@ -102,9 +102,10 @@ def summarize(rows: list[dict], concurrency: list[int], specs: list[str], shapes
                    if r["concurrency"] == c}
             return [tps["target+drafter", n] / tps["target", n]
                     for (s, n) in tps if s == "target"]
-        out["speedup"] = {f"c{c}": round(statistics.median(per_round(c)), 3) for c in concurrency}
-        out["speedup_range"] = {f"c{c}": [round(min(per_round(c)), 3), round(max(per_round(c)), 3)]
-                                for c in concurrency}
+        ratios = {c: per_round(c) for c in concurrency}
+        out["speedup"] = {f"c{c}": round(statistics.median(r), 3) for c, r in ratios.items()}
+        out["speedup_range"] = {f"c{c}": [round(min(r), 3), round(max(r), 3)]
+                                for c, r in ratios.items()}
         # a drafted step emits acceptance_length tokens: its time against a plain step's
         out["drafted_step_cost"] = {
             f"c{c}": round(med("target+drafter", c, "ms_per_token_per_request")

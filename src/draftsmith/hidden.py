@@ -39,8 +39,8 @@ from draftsmith.config import HiddenConfig, ServerConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
 from draftsmith.fused_forward import fused
 from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, empty_states, encode,
-                                      offline_manifest, online_manifest, shard_entry, shard_file,
-                                      token_bytes)
+                                      offline_manifest, online_manifest, sample_tensors,
+                                      shard_entry, shard_file, token_bytes)
 from draftsmith.packing import first_fit
 
 RESUME = "resume.json"
@@ -179,17 +179,8 @@ def _extract_shard(model, samples: list, layers: list[int], cfg: HiddenConfig, p
         at += n
     ordered = [samples[i] for row in rows for i in row]  # as _stored_order
     tensors, ready = host.done()
-    tensors.update(_sample_tensors(ordered))
+    tensors.update(sample_tensors(ordered))
     return tensors, ready
-
-
-def _sample_tensors(ordered: list) -> dict:
-    """A shard's token ids, loss mask and sample bounds, its samples in stored order."""
-    return {
-        "input_ids": torch.cat([s[1] for s in ordered]).to(torch.int32),
-        "loss_mask": torch.cat([s[2] for s in ordered]).to(torch.uint8),
-        "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s[1]) for s in ordered]), 0),
-    }
 
 
 def _served_shard(client, samples: list, n_layers: int, hidden_size: int, cfg: HiddenConfig):
@@ -201,7 +192,7 @@ def _served_shard(client, samples: list, n_layers: int, hidden_size: int, cfg: H
     host.put(0, torch.cat([got[s[0]][0] for s in ordered]),
              torch.cat([got[s[0]][1] for s in ordered]))
     tensors, ready = host.done()
-    tensors.update(_sample_tensors(ordered))
+    tensors.update(sample_tensors(ordered))
     return tensors, ready
 
 

@@ -83,6 +83,16 @@ def hidden_states(t: dict, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Te
     return aux.view(n, -1), dequantize(t["final"], t["final_scale"].reshape(-1), dtype)
 
 
+def sample_tensors(ordered: list) -> dict:
+    """A shard's token ids, loss mask and sample bounds; ordered: its samples, in stored order,
+    as (id, input_ids, loss_mask, ...)."""
+    return {
+        "input_ids": torch.cat([s[1] for s in ordered]).to(torch.int32),
+        "loss_mask": torch.cat([s[2] for s in ordered]).to(torch.uint8),
+        "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(s[1]) for s in ordered]), 0),
+    }
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
     """(N, C) fp8 and (N,) scales -> (N, C) in dtype: the inverse of fp8_rows.quantize."""
     return (q.float() * scale.float()[:, None]).to(dtype)
@@ -108,6 +118,11 @@ def online_manifest(aux_layers: list[int], hidden_size: int, engine: str = "hf",
     fetches the states from, cast to dtype as offline shards store them)."""
     return {"mode": "online", "engine": engine, "aux_layers": aux_layers,
             "hidden_size": hidden_size, "dtype": dtype, "shards": []}
+
+
+def fed_by_engine(manifest: dict) -> bool:
+    """Online with a serving engine: training fetches the states from it as it goes."""
+    return manifest.get("mode") == "online" and manifest.get("engine", "hf") != "hf"
 
 
 def read_hidden_manifest(hidden_dir: Path) -> dict:

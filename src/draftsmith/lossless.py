@@ -70,7 +70,6 @@ def check_sampled(model, prompt_ids, output_ids, temperature: float, seed: int =
             "detectable_cdf_gap": round(1.63 / math.sqrt(len(u)), 4)}
 
 
-@torch.no_grad()
 def tie_tolerance(dtype: torch.dtype) -> float:
     """How close, relative, two logits are when they tie for the target's dtype: 1e-3 (fp32,
     where engines differ only in summation order), or one rounding step of a lower dtype (bf16:
@@ -79,6 +78,7 @@ def tie_tolerance(dtype: torch.dtype) -> float:
     return max(1e-3, torch.finfo(dtype).eps)
 
 
+@torch.no_grad()
 def check_greedy(model, prompt_ids: list[list[int]], reference: list[list[int]],
                  outputs: list[list[int]], tie: float | None = None) -> dict:
     """The T=0 verdict: every output identical to the target's own greedy one, except where

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.config import HiddenConfig, ServerConfig, TrainConfig
-from draftsmith.hidden_format import read_hidden_manifest
+from draftsmith.hidden_format import fed_by_engine, read_hidden_manifest
 from draftsmith.target_info import TargetHead, load_target_head
 from draftsmith.train.loop import train
 
@@ -43,7 +43,7 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
     args = (cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
             tokenized_dir, load_target, mask)
     manifest = read_hidden_manifest(hidden_dir)
-    if manifest["mode"] == "online" and manifest.get("engine", "hf") != "hf":
+    if fed_by_engine(manifest):
         return _train_from_engine(args, manifest, target_dir, tokenized_dir,
                                   hidden or HiddenConfig(), server or ServerConfig(),
                                   Path(work_dir or Path(out_dir).with_name("train.work")))
@@ -79,9 +79,6 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
     return metrics
 
 
-__all__ = ["run", "train", "TargetHead"]
-
-
 def _kept_key(target_dir: Path, tokenized_dir: Path, manifest: dict) -> str:
     """What kept states are a function of: the target, the samples, the layers and dtype."""
     import hashlib
@@ -94,3 +91,6 @@ def _kept_key(target_dir: Path, tokenized_dir: Path, manifest: dict) -> str:
     h.update(json.dumps([read_info(target_dir).revision, manifest["aux_layers"],
                          manifest.get("dtype")]).encode())
     return h.hexdigest()[:16]
+
+
+__all__ = ["run", "train", "TargetHead"]

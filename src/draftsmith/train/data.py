@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 from draftsmith.artifacts import TOKENIZED_MANIFEST, read_manifest
 from draftsmith.errors import DraftsmithError
-from draftsmith.hidden_format import STATE_KEYS, hidden_states, read_hidden_manifest
+from draftsmith.hidden_format import (STATE_KEYS, fed_by_engine, hidden_states,
+                                      read_hidden_manifest)
 from draftsmith.packing import first_fit
 
 
@@ -153,7 +154,7 @@ def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenSto
         if tokenized_dir is None:
             raise DraftsmithError("the hidden artifact is online (no states stored) but no "
                                   "tokenized data was given", "pass the tokenized artifact")
-        if manifest.get("engine", "hf") != "hf":
+        if fed_by_engine(manifest):
             from draftsmith.train.engine_feed import EngineStore
 
             return EngineStore(tokenized_dir, hidden_dir)

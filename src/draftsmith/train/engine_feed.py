@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, encode, hidden_states,
-                                      offline_manifest, read_hidden_manifest, shard_entry,
-                                      shard_file)
+                                      offline_manifest, read_hidden_manifest, sample_tensors,
+                                      shard_entry, shard_file)
 from draftsmith.train.data import TokenStore, make_batch
 
 
@@ -45,6 +45,7 @@ class EngineStore(TokenStore):
         self.fetched = 0  # tokens the engine computed
         self.keep_dir: Path | None = None  # hybrid: where fetched states are also written
         self.kept: dict[int, tuple[str, int]] = {}  # sample -> (its kept shard, first token)
+        self._kept_open: dict[str, object] = {}
 
     def keep_in(self, folder: Path, key: str) -> None:
         """Hybrid: also write the fetched states to `folder` as hidden shards with a manifest,
@@ -87,10 +88,8 @@ class EngineStore(TokenStore):
             return 0
         by_id = {self.samples[i].id: i for i in need}
         got = self.client.states_of([(sid, self._ids(i)) for sid, i in by_id.items()])
-        # fp8 storage halves the disk, and online nothing is stored: bf16 in memory then
-        dtype = self.held_dtype
         for sid, (aux, final) in got.items():
-            self._hold(by_id[sid], hidden_states(encode(aux, final, dtype,
+            self._hold(by_id[sid], hidden_states(encode(aux, final, self.held_dtype,
                                                         aux.shape[-1] // final.shape[-1])))
         if self.keep_dir is not None:
             self._write_kept(need)
@@ -100,6 +99,7 @@ class EngineStore(TokenStore):
 
     @property
     def held_dtype(self) -> str:
+        """fp8 storage halves the disk, and online nothing is stored: bf16 in memory then."""
         return "bfloat16" if self.dtype == FP8 else self.dtype
 
     def _ids(self, i: int) -> torch.Tensor:
@@ -118,12 +118,9 @@ class EngineStore(TokenStore):
 
         with self._lock:
             states = [self.states[i] for i in members]
-        reads = [TokenStore.read(self, i) for i in members]
         tensors = {"aux": torch.cat([a for a, _ in states]),
                    "final": torch.cat([f for _, f in states]),
-                   "input_ids": torch.cat([r[2] for r in reads]).to(torch.int32),
-                   "loss_mask": torch.cat([r[3] for r in reads]).to(torch.uint8),
-                   "cu_seqlens": torch.cumsum(torch.tensor([0] + [len(r[2]) for r in reads]), 0)}
+                   **sample_tensors([TokenStore.read(self, i)[1:] for i in members])}
         path = self.keep_dir / shard_file(len(self._shards))
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, tmp)
@@ -146,8 +143,10 @@ class EngineStore(TokenStore):
 
         file, at = self.kept[i]
         n = self.samples[i].length
-        with safe_open(self.keep_dir / file, "pt") as f:
-            return hidden_states({k: f.get_slice(k)[at:at + n] for k in ("aux", "final")})
+        f = self._kept_open.get(file)  # later epochs read every sample: open each shard once
+        if f is None:
+            f = self._kept_open[file] = safe_open(self.keep_dir / file, "pt")
+        return hidden_states({k: f.get_slice(k)[at:at + n] for k in ("aux", "final")})
 
     def drop(self, indices: list[int]) -> None:
         with self._lock:
