@@ -9,12 +9,15 @@
 # The parts run at once (the toys need a sliver of the GPU; each server a fixed one): each
 # drafter's serving, the capture of both toys, the GPU tests. Each writes its JSON as it goes,
 # so a run cut short keeps what finished. Usage, with vLLM importable (PYTHONPATH), results
-# to $OUT, PARTS any of "serve capture tests sampling alone" (default the first three):
+# to $OUT, PARTS any of "serve capture tests sampling alone sglang" (default the first three):
 #   bash benchmarks/h200_check.sh RUN [PARTS]
+# sglang: the same drafters served by SGLang (unpacked by tools/gpu_wheelhouse.py into
+# $SGLANG_SITE, default /tmp/sglang-site; it runs from there alone, its transformers pin apart
+# from the pipeline's), the MLA target alone in it, and the generate stage through it.
 set -uo pipefail
 RUN=${1:?the folder holding llama/ and mla/}
 OUT=${OUT:-results}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: some parts work in other folders
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
        VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 SERVE="python3 -m vllm.entrypoints.cli.main serve {model}"
@@ -44,6 +47,41 @@ if [[ $PARTS == *sampling* ]]; then  # T>0 with vLLM drafting from the drafter's
 fi
 if [[ $PARTS == *alone* ]]; then  # the bf16 MLA target alone in vLLM, greedy, against HF's
     serve mla-eagle3+alone "$RUN/mla" models/drafter models/export --temperatures 0 --alone &
+fi
+if [[ $PARTS == *sglang* ]]; then  # one SGLang server at a time (each sizes its memory at start)
+    SGL="env PYTHONPATH=${SGLANG_SITE:-/tmp/sglang-site} PYTHONUNBUFFERED=1 python3 -m \
+sglang.launch_server --model-path {model}"
+    # a fixed share of the GPU; the sampler in PyTorch (FlashInfer's would JIT-compile at start)
+    SGLMEM="--mem-fraction-static 0.12 --sampling-backend pytorch"
+    sgl() {  # sgl NAME REPO DRAFTER EXPORT EXTRA [FLAGS...]
+        local name=$1 repo=$2 drafter=$3 export=$4 extra=$5; shift 5
+        python3 benchmarks/gpu_serve.py --engine sglang --repo "$repo" --server-command "$SGL" \
+            --extra-args="$SGLMEM $extra" --drafter "$name=$drafter:$export" "$@" \
+            --out "$OUT/gpu_serve_sglang_$name.json" > "$OUT/gpu_serve_sglang_$name.log" 2>&1
+        echo "gpu_serve sglang $name rc=$?" >> "$OUT/rc.txt"
+    }
+    (# the Llama toy is float32: FlashAttention 3 (SGLang's Hopper default) takes 16-bit only
+     for m in eagle3 eagle3.1 dflash; do
+         sgl "$m" "$RUN/llama" "$d/$m/drafter" "$d/$m/export" "--attention-backend triton"
+     done
+     sgl mla-eagle3 "$RUN/mla" models/drafter models/export "" --alone
+     # generate (and tokenize, which checks the chat format) through SGLang, the seed's
+     # pivot: this checkout's code on the Llama toy's target and params, 200 prompts
+     g=$RUN/llama-sglang-generate
+     rm -rf "$g" && mkdir -p "$g/models" "$OUT/sglang_generate_logs"
+     tar --exclude=./.git --exclude='./.gpu-*' --exclude=./.whl --exclude=./.venv -cf - . \
+         | tar -xf - -C "$g"
+     rm -rf "$g/models/target" "$g/data/raw" && cp -r "$RUN/llama/models/target" "$g/models/" \
+         && cp "$RUN/llama/params.yaml" "$g/"
+     printf 'server:\n  command: "%s"\n  extra_args: "%s"\ngenerate:\n  num_samples: 200\n' \
+         "$SGL" "$SGLMEM --attention-backend triton" > "$OUT/sglang-generate.yaml"
+     (cd "$g" && python3 -m draftsmith.cli config preset presets/sglang.yaml \
+          "$OUT/sglang-generate.yaml" \
+      && python3 benchmarks/run_stages.py --json "$OUT/sglang_generate_stages.json" \
+          --logs "$OUT/sglang_generate_logs" generate tokenize \
+      && cp metrics/generate.json "$OUT/sglang_generate.json" \
+      && cp metrics/tokenize.json "$OUT/sglang_tokenize.json") > "$OUT/sglang_generate.log" 2>&1
+     echo "sglang generate rc=$?" >> "$OUT/rc.txt") &
 fi
 if [[ $PARTS == *serve* ]]; then  # every drafter at once, each with its own server
     for m in eagle3 eagle3.1 dflash; do

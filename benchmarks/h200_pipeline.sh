@@ -8,10 +8,15 @@
 #   bash benchmarks/h200_pipeline.sh WORK RESULTS [WHEELS]
 # WHEELS: a folder of wheels the image lacks (pydantic, matplotlib), installed to /tmp/pyd.
 # vLLM comes later (the wheelhouse's install.sh unpacks it into /tmp/site while the target
-# trains): the serving stages wait for /tmp/site/.ready.
+# trains): the serving stages wait for /tmp/site/.ready. With SGLANG_SITE set (where
+# tools/gpu_wheelhouse.py's install.sh unpacked SGLang; it waits for $SGLANG_SITE/.ready), the
+# run ends with SGLang: the pipeline's drafter served by it beside the reference engine, the
+# target alone in it, and the generate and tokenize stages through it on a copy (200 prompts).
+# RESULTS/DONE appears when everything has finished (each part's exit status in it).
 set -uo pipefail
 WORK=${1:?work folder} R=${2:?results folder} WHEELS=${3:-}
 mkdir -p "$R/logs" /tmp/bin "$WORK"
+R=$(cd "$R" && pwd) WORK=$(cd "$WORK" && pwd)  # absolute: the SGLang part works in a copy
 [[ -n $WHEELS ]] && python3 -m pip install -q --no-index --no-deps --target /tmp/pyd "$WHEELS"/*.whl
 # what a user's environment has: `python` for the stage commands, `vllm` for server.command.
 # Wrappers, not links: the image's python3 is a virtual environment's (/opt/torch/.venv), and a
@@ -25,15 +30,15 @@ export PATH="/tmp/bin:$PATH" PYTHONPATH="/tmp/site:/tmp/pyd:$PWD/src" HF_HUB_OFF
        TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
 stages() { python benchmarks/run_stages.py --json "$R/stage_times.json" --logs "$R/logs" "$@"; }
-READY=${VLLM_READY:-/tmp/site/.ready}  # a file that exists once vLLM is importable
-wait_vllm() {  # said, and bounded: a silent wait once cost a whole session's device time
-    local t=0
-    until [[ -f $READY ]]; do
-        (( t % 60 )) || echo "waiting for vLLM ($READY) for ${t} s"
-        (( t >= ${VLLM_WAIT_S:-900} )) && { echo "no vLLM after $t s: giving up"; exit 1; }
+wait_for() {  # wait_for FILE NAME: said, and bounded (a silent wait once cost a whole
+    local t=0   # session's device time)
+    until [[ -f $1 ]]; do
+        (( t % 60 )) || echo "waiting for $2 ($1) for ${t} s"
+        (( t >= ${VLLM_WAIT_S:-900} )) && { echo "no $2 after $t s: giving up"; return 1; }
         sleep 5; t=$((t + 5))
     done
 }
+wait_vllm() { wait_for "${VLLM_READY:-/tmp/site/.ready}" vLLM || exit 1; }
 need="import yaml, typer, tqdm, httpx, pydantic, matplotlib, transformers, safetensors"
 if ! python -c "$need"; then  # the target stage needs no vLLM, but may need what it brings
     wait_vllm
@@ -52,4 +57,28 @@ python benchmarks/decode_speed.py --repo . --export models/export/vllm \
     --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8 2048:28 4096:36} \
     --extra-args="${DECODE_EXTRA_ARGS:---gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296}" \
     --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
-echo "decode_speed rc=$?" >> "$R/DONE"
+echo "decode_speed rc=$?" >> "$R/rc.txt"
+if [[ -n ${SGLANG_SITE:-} ]] && wait_for "$SGLANG_SITE/.ready" SGLang; then
+    # SGLang runs from its own folder: it pins transformers 5.12.1, the pipeline runs on the
+    # image's. The sampler in PyTorch: FlashInfer's would JIT-compile at every start.
+    SGL="env PYTHONPATH=$SGLANG_SITE PYTHONUNBUFFERED=1 python3 -m sglang.launch_server \
+--model-path {model}"
+    SGLARGS=${SGLANG_EXTRA_ARGS:---mem-fraction-static 0.3 --sampling-backend pytorch}
+    method=$(python -c "import yaml; print(yaml.safe_load(open('params.yaml'))['train']['method'])")
+    python benchmarks/gpu_serve.py --engine sglang --repo . --server-command "$SGL" \
+        --extra-args="$SGLARGS" --drafter "$method=models/drafter:models/export" --alone \
+        --out "$R/gpu_serve_sglang.json" > "$R/gpu_serve_sglang.log" 2>&1
+    echo "gpu_serve sglang rc=$?" >> "$R/rc.txt"
+    g=$WORK-sglang-generate  # the generate and tokenize stages through SGLang, on a copy
+    rm -rf "$g" && mkdir -p "$g" "$R/sglang_generate_logs"
+    tar --exclude=./data/hidden --exclude=./models/train.work -cf - . | tar -xf - -C "$g"
+    printf 'server:\n  command: "%s"\n  extra_args: "%s"\nhidden:\n  engine: hf\ngenerate:\n  num_samples: 200\n' \
+        "$SGL" "$SGLARGS" > "$R/sglang_generate.yaml"
+    (cd "$g" && python -m draftsmith.cli config preset presets/sglang.yaml "$R/sglang_generate.yaml" \
+     && python benchmarks/run_stages.py --json "$R/sglang_generate_stages.json" \
+            --logs "$R/sglang_generate_logs" generate tokenize \
+     && cp metrics/generate.json "$R/sglang_generate.json" \
+     && cp metrics/tokenize.json "$R/sglang_tokenize.json") > "$R/sglang_generate.log" 2>&1
+    echo "sglang generate rc=$?" >> "$R/rc.txt"
+fi
+cp "$R/rc.txt" "$R/DONE"

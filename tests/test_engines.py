@@ -17,7 +17,8 @@ from draftsmith.drafters import METHODS, DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export import speculative_args
 from draftsmith.serving import acceptance, prometheus
-from draftsmith.serving.client import raw_completion
+from draftsmith.errors import DraftsmithError
+from draftsmith.serving.client import emitted_ids, raw_completion
 from draftsmith.serving.engines import (DEFAULT, ENGINES, MEASURABLE, NAMES, REASONING_FIELDS,
                                         REFERENCE, Engine)
 from draftsmith.serving.server import reasoning_parser, server_argv
@@ -38,6 +39,9 @@ def test_each_entry_is_complete(name, tmp_path):
     assert "eagle3" in e.method_names and set(e.method_names) <= set(METHODS)
     if e.spec_metrics is not None:
         assert all(dataclasses.astuple(e.spec_metrics))
+    if e.spec_response is not None:
+        assert e.spec_response.request and callable(e.spec_response.read)
+    assert e.token_id_fields and all(v is True for v in e.token_id_fields.values())
     assert e.aux_convention and e.aux_id_offset >= 0
     assert e.layer_ids([2, 16, 29]) == [k - e.aux_id_offset for k in (2, 16, 29)]
     assert (e.first_aux_id is None) == (not e.first_aux_id_why)
@@ -80,7 +84,7 @@ def test_client_reads_the_reasoning_where_the_engine_puts_it(name):
         assert raw_completion(msg, "stop", fmt) == emitted
 
 
-@pytest.mark.parametrize("name", MEASURABLE)
+@pytest.mark.parametrize("name", [n for n in MEASURABLE if ENGINES[n].spec_metrics])
 def test_acceptance_reads_the_engines_counters(name, monkeypatch):
     m = ENGINES[name].spec_metrics
     text = "\n".join([f"{m.drafts} 10", f"{m.draft_tokens} 30", f"{m.accepted} 12",
@@ -89,6 +93,40 @@ def test_acceptance_reads_the_engines_counters(name, monkeypatch):
     monkeypatch.setattr(prometheus, "scrape", lambda url: prometheus.parse(text))
     c = acceptance.Counters.scrape("http://x/v1", 3, name)
     assert (c.drafts, c.draft_tokens, c.accepted, c.accepted_at) == (10, 30, 12, [8, 3, 1])
+
+
+def test_sglang_acceptance_is_summed_from_each_response():
+    """SGLang 0.5.17 has no acceptance counters on /metrics; each finished request asked with
+    `return_meta_info` carries its own (field names from its tokenizer_manager.py; SGLang
+    cannot run here, so this checks the format, not a live server)."""
+    k = 3
+
+    def choice(hist):  # hist[n]: verify steps that accepted n of the k drafts
+        steps, correct = sum(hist), sum(n * c for n, c in enumerate(hist))
+        return {"index": 0, "finish_reason": "stop", "token_ids": [5, 6, 2], "meta_info": {
+            "spec_verify_ct": steps, "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": steps * k, "spec_accept_length": 9.9,
+            "spec_correct_drafts_histogram": hist}}
+
+    a, b = choice([1, 2, 0, 3]), choice([0, 0, 4])
+    ended_at_prefill = {"meta_info": {"completion_tokens": 1}}
+    c = acceptance.Counters.from_responses([a, b, ended_at_prefill], k, "sglang")
+    # 10 steps; accepted 2 + 0 + 9 + 8 = 19; position i reached by steps accepting > i drafts
+    assert (c.drafts, c.draft_tokens, c.accepted) == (10, 30, 19)
+    assert c.accepted_at == [9, 7, 3]
+    s = c.summary()
+    assert s["acceptance_length"] == round((10 + 19) / 10, 4)
+    assert s["acceptance_rate_per_position"] == [0.9, 0.7, 0.3]
+    assert s["conditional_acceptance_per_position"] == [0.9, round(7 / 9, 4), round(3 / 7, 4)]
+    assert emitted_ids(a) == [5, 6, 2]
+    # the same counts reported under 0.5.x's older histogram name
+    old = {"meta_info": {**a["meta_info"], "spec_accept_histogram": [1, 2, 0, 3]}}
+    del old["meta_info"]["spec_correct_drafts_histogram"]
+    assert acceptance.Counters.from_responses([old], k, "sglang").accepted_at == [5, 3, 3]
+    # verify steps without a histogram: said, not counted as zero
+    bare = {"meta_info": {"spec_verify_ct": 4, "spec_num_correct_drafts": 2}}
+    with pytest.raises(DraftsmithError, match="histogram"):
+        acceptance.Counters.from_responses([bare], k, "sglang")
 
 
 def test_export_writes_each_engines_keys(tmp_path):
@@ -122,7 +160,7 @@ def test_a_new_engine_is_one_entry(monkeypatch, tmp_path):
                  think_parsers=None, reasoning_fields=("reasoning",),
                  speculative_args=lambda d, k, m, more: ["--draft", str(d), "--k", str(k), "--m", m],
                  method_names={"eagle3": "eagle"}, spec_metrics=None, aux_id_offset=0, aux_convention="as vLLM",
-                 top_level_aux_ids=False)
+                 top_level_aux_ids=False, token_id_fields={"ids": True})
     monkeypatch.setitem(engines.ENGINES, "toy", toy)
     cfg = ServerConfig.model_construct(**{**ServerConfig().model_dump(), "engine": "toy"})
     argv = server.server_argv(cfg, model_dir=tmp_path, served_name="t", port=1, dtype="f",

@@ -67,3 +67,27 @@ def test_nothing_at_the_repo_root_shadows_an_installed_package():
     import transformers.modeling_utils  # noqa: F401
 
     assert "site-packages" in kernels.__file__
+
+
+def test_the_gpu_wheelhouse_ships_what_each_engine_takes_from_the_image_apart():
+    """tools/gpu_wheelhouse.py: vLLM runs on the image's packages (only what the image lacks
+    ships); SGLang pins another transformers and tokenizers than the image's, so everything but
+    the torch stack ships for it; neither ships the pieces no Hopper serving imports."""
+    import gpu_wheelhouse as wh
+
+    resolved = {"torch": "2.11.0", "triton": "3.6.0", "nvidia-cublas": "13.1.0.3",
+                "cuda-bindings": "13.4.4", "transformers": "5.12.1", "tokenizers": "0.22.2",
+                "numpy": "2.3.5", "pandas": "3.1.1", "tilelang": "0.1.11",
+                "nvidia-cutlass-dsl-libs-cu12": "4.6.0", "nvidia-cuda-nvcc": "13.5.37"}
+    report = {"install": [{"metadata": {"name": n.replace("-", "_"), "version": v}}
+                          for n, v in resolved.items()]}
+
+    def ships(engine: str, main: str) -> set[str]:
+        r = {"install": [*report["install"], {"metadata": {"name": main, "version": "1"}}]}
+        return {s.split("==")[0] for s in wh.to_ship(wh.ENGINES[engine], r)}
+
+    assert ships("vllm", "vllm") == {"vllm", "pandas"}
+    assert ships("sglang", "sglang") == {"sglang", "transformers", "tokenizers", "numpy",
+                                         "pandas", "nvidia-cuda-nvcc"}
+    for engine in wh.ENGINES.values():
+        assert engine.requirement.split("==")[0] in engine.module

@@ -231,11 +231,9 @@ def reference_acceptance(cfg: BenchmarkConfig, judge: TargetJudge, drafter_dir: 
 
 def _check_served_setup(server: ServerConfig, export_dir: Path | None, engine: str) -> None:
     if server.engine != engine:
-        unmeasured = " or ".join(e.label for e in ENGINES.values() if e.spec_metrics is None)
         raise DraftsmithError(
             f"benchmark.engines lists '{engine}' but server.engine is '{server.engine}'",
-            f"set server.engine: {engine} ({unmeasured} cannot be benchmarked here; see "
-            "docs/serving.md)")
+            f"set server.engine: {engine} (one served engine per run; see docs/serving.md)")
     if export_dir is None or not (Path(export_dir) / engine / "config.json").exists():
         raise DraftsmithError(f"no {ENGINES[engine].label} export under {export_dir}",
                               "run the export stage first (`dvc repro export`)")
@@ -246,7 +244,9 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
     """Serve the target with the exported drafter in `server.engine`, send the prompts at each
     temperature, and read acceptance from the engine's counters. Returns the per-temperature
     results and the outputs ({temperature: {prompt id: emitted token ids}}). No draft_dir:
-    the target alone, no counters (what the engine's own numerics give without a drafter)."""
+    the target alone, no counters (what the engine's own numerics give without a drafter).
+    Acceptance comes from the engine's /metrics counters (vLLM) or from each response's own
+    counts (SGLang), as its entry in serving/engines.py says."""
     from draftsmith.export import speculative_args
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
@@ -255,6 +255,9 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
 
     k = cfg.num_speculative_tokens
     fmt = read_info(target_dir).format
+    engine = ENGINES[server.engine]
+    per_response = engine.spec_response is not None and draft_dir is not None
+    scraped = engine.spec_metrics is not None and draft_dir is not None
     results, outputs = [], {}
     extra = speculative_args(server.engine, draft_dir, k, server.speculative_config) \
         if draft_dir else []
@@ -263,21 +266,27 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
         client = ChatClient(server, urls, fmt)
         try:
             for temp in cfg.temperatures:
-                # Token ids come back with the text (vLLM: `token_id:<id>`), so the judge reads
-                # exactly what was emitted.
+                # Token ids come back with the text, so the judge reads exactly what was
+                # emitted; an engine that counts per response is asked for its counts.
                 body = {"max_tokens": cfg.max_new_tokens, "temperature": temp,
-                        "logprobs": True, "return_tokens_as_token_ids": True,
+                        **engine.token_id_fields,
+                        **(engine.spec_response.request if per_response else {}),
                         "chat_template_kwargs": {"enable_thinking": cfg.thinking}}
                 reqs = [ChatRequest(p.id, p.messages, {**body, "seed": cfg.seed + i})
                         for i, p in enumerate(prompts)]
                 t0 = time.time()
-                before = Counters.scrape(urls[0], k, server.engine) if draft_dir else None
+                before = Counters.scrape(urls[0], k, server.engine) if scraped else None
                 outs = {r.id: o for r, o in tqdm(client.stream(reqs), total=len(reqs),
                                                  desc=f"{server.engine} T={temp}",
                                                  unit="prompt")}
                 wall = time.time() - t0
-                summary = (Counters.scrape(urls[0], k, server.engine) - before).summary() \
-                    if draft_dir else {}
+                if scraped:
+                    summary = (Counters.scrape(urls[0], k, server.engine) - before).summary()
+                elif per_response:
+                    summary = Counters.from_responses(
+                        [o.extras or {} for o in outs.values()], k, server.engine).summary()
+                else:
+                    summary = {}
                 tokens = sum(o.num_tokens for o in outs.values())
                 results.append({"temperature": temp, **summary, "wall_s": round(wall, 1),
                                 "tokens_per_s": round(tokens / wall, 1)})
@@ -286,7 +295,8 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
                     raise DraftsmithError(
                         "the server returned no token ids with its outputs, so they cannot be "
                         "checked against the target",
-                        "serve with vLLM (it honours logprobs + return_tokens_as_token_ids)")
+                        f"serve with a {engine.label} release that honours "
+                        f"{sorted(engine.token_id_fields)}")
         finally:
             client.close()
     return results, outputs

@@ -21,12 +21,12 @@ EMBEDDED = "embedded"
 EMBEDDED_MLA = "embedded-mla"  # the same toy as a DeepSeek-V3 model (MLA + MoE), like Kimi-K2.5
 
 # The serving engines a user may name, and the benchmark's engines (the in-process reference
-# and the served engines whose acceptance counters are read). serving/engines.py says what each
+# and the served engines whose acceptance can be read). serving/engines.py says what each
 # one means; the names are written here rather than imported from it because every stage
 # imports this module, and a stage's code deps are its imports: editing the engine table must
 # rerun only the stages that use it. tests/test_engines.py holds these equal to the table.
 ENGINE_NAMES = ("vllm", "sglang")
-BENCHMARK_ENGINES = ("reference", "vllm")
+BENCHMARK_ENGINES = ("reference", "vllm", "sglang")
 # The drafter methods (drafters.METHODS, held equal by tests/test_methods.py) and the drafter
 # layers the engines load each with (vLLM: llama_eagle3.py and deepseek_eagle3.py take both
 # EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only).

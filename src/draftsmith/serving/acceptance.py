@@ -1,10 +1,11 @@
-"""Acceptance of a drafter measured inside a serving engine, from the server's own counters.
+"""Acceptance of a drafter measured inside a serving engine, from the engine's own counts.
 
-An engine with `spec_metrics` in its table entry (engines.py; vLLM: `vllm:spec_decode_*` on
-`/metrics`) counts, per speculative step ("draft"), the tokens proposed and accepted, and how
-many were accepted at each draft position. The difference of two scrapes around a batch of
-requests gives that batch's figures, in the same schema as the reference engine's
-`SpecStats.summary`, so the two can sit in one table.
+Engines count, per speculative step ("draft"), the tokens proposed and accepted, and how many
+were accepted at each draft position. Where they report it (engines.py): vLLM on `/metrics`
+(`vllm:spec_decode_*`, summed over the server's life: the difference of two scrapes around a
+batch of requests gives that batch's figures); SGLang in each response, for its own request
+(summed over the batch). Either way the figures come out in the same schema as the reference
+engine's `SpecStats.summary`, so they can sit in one table.
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ class Counters:
                    prometheus.total(s, m.accepted),
                    [prometheus.total(s, m.accepted_per_position, position=str(i))
                     for i in range(k)])
+
+    @classmethod
+    def from_responses(cls, choices, k: int, engine: str) -> Counters:
+        """The sum of the counts each response carries (engines with `spec_response`)."""
+        total = cls(0.0, 0.0, 0.0, [0.0] * k)
+        for choice in choices:
+            got = ENGINES[engine].spec_response.read(choice, k)
+            if got is not None:
+                total = total + cls(*got)
+        return total
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
+                        self.accepted + other.accepted,
+                        [a + b for a, b in zip(self.accepted_at, other.accepted_at)])
 
     def __sub__(self, other: Counters) -> Counters:
         return Counters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,

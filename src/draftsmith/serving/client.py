@@ -41,6 +41,8 @@ class ChatRequest:
 @dataclass
 class ServedCompletion(Completion):
     token_ids: list[int] | None = None  # the emitted ids, when the request asked for them
+    # the response choice's other fields (SGLang: `meta_info`, its speculative counts)
+    extras: dict | None = None
 
 
 class RequestFailed(DraftsmithError):
@@ -69,8 +71,11 @@ def raw_completion(message: dict, finish_reason: str, fmt: ChatFormat) -> str:
 
 
 def emitted_ids(choice: dict) -> list[int] | None:
-    """The ids of the emitted tokens, when the request asked for them (vLLM: `logprobs: true`
-    with `return_tokens_as_token_ids: true` names each token "token_id:<id>")."""
+    """The ids of the emitted tokens, when the request asked for them (each engine's
+    `token_id_fields`): SGLang lists them in `token_ids`; vLLM names each logprobs token
+    "token_id:<id>"."""
+    if isinstance(choice.get("token_ids"), list):
+        return [int(t) for t in choice["token_ids"]]
     content = (choice.get("logprobs") or {}).get("content")
     if not content:
         return None
@@ -173,7 +178,8 @@ class ChatClient:
                                 f"an OpenAI chat completion ({type(exc).__name__}: {exc}): "
                                 f"{str(data)[:300]}", "check that server.urls are "
                                 "OpenAI-compatible chat servers (their /v1 base)") from None
-        return ServedCompletion(text, tokens, reason, emitted_ids(choice))
+        extras = {k: v for k, v in choice.items() if k not in ("message", "logprobs")}
+        return ServedCompletion(text, tokens, reason, emitted_ids(choice), extras)
 
     def stream(self, requests: list, call=None) -> Iterator[tuple]:
         """Yield (request, call(request)) as they finish, at most `concurrency` in flight; call:

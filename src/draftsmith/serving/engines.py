@@ -1,6 +1,7 @@
 """What the pipeline knows about each serving engine, in one table: how to launch it, where its
 responses put the reasoning, how to make it draft with an exported drafter, which counters
-report acceptance, and how its EAGLE-3 export names the aux layers.
+report acceptance (on /metrics or in each response), and how its EAGLE-3 export names the aux
+layers.
 
 server.py, client.py, acceptance.py, benchmark.py and export.py read this table and branch on
 nothing else, so adding an engine is one entry here, its name in config.py's ENGINE_NAMES (kept
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.errors import DraftsmithError
+
 
 @dataclass(frozen=True)
 class SpecMetrics:
@@ -26,6 +29,15 @@ class SpecMetrics:
     draft_tokens: str
     accepted: str
     accepted_per_position: str
+
+
+@dataclass(frozen=True)
+class SpecResponse:
+    """Speculative counts a chat response carries for its own request when asked (SGLang's
+    `meta_info`): the request fields that ask, and (response choice, k) -> (drafts, draft
+    tokens, accepted, accepted at each position), None where the request had no verify step."""
+    request: dict
+    read: Callable[[dict, int], tuple[float, float, float, list[float]] | None]
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,12 @@ class Engine:
     # train.method -> what this engine calls it (vLLM's speculative_config.method, SGLang's
     # --speculative-algorithm); a method missing here is one the engine cannot serve.
     method_names: dict[str, str]
-    spec_metrics: SpecMetrics | None  # None: acceptance cannot be read from the server
+    # Where acceptance is read: counters on /metrics, or each response's own counts; neither:
+    # it cannot be read from the server
+    spec_metrics: SpecMetrics | None
+    # Chat request fields that make the response carry the emitted token ids (read by
+    # client.emitted_ids), so the judge compares exactly what was emitted
+    token_id_fields: dict
     # Aux layer ids: ours (and vLLM's) are k = the hidden state entering target layer k; the
     # engine's id is k - aux_id_offset.
     aux_id_offset: int
@@ -56,6 +73,12 @@ class Engine:
     # (layer ids, directory) -> the arguments that make the engine write each request's hidden
     # states at those ids into that directory (hidden.engine); None: no capture here.
     capture_args: Callable[[list[int], Path], list[str]] | None = None
+    spec_response: SpecResponse | None = None
+
+    @property
+    def measurable(self) -> bool:
+        """Can acceptance be read from this engine (benchmark.engines may list it)?"""
+        return self.spec_metrics is not None or self.spec_response is not None
 
     def layer_ids(self, aux_layers) -> list[int]:
         """Our aux layers written in this engine's convention."""
@@ -94,6 +117,25 @@ def _vllm_capture(layer_ids: list[int], storage: Path) -> list[str]:
             "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
 
 
+def _sglang_spec(choice: dict, k: int):
+    # SGLang 0.5.17 (tokenizer_manager.py, on a finished request asked `return_meta_info`):
+    # spec_verify_ct verify steps, spec_num_proposed_drafts and spec_num_correct_drafts
+    # (drafts, no bonus token), spec_correct_drafts_histogram[n] = steps that accepted n drafts
+    # (0.5.x before: spec_accept_histogram). A request that ended at its prefill token has none.
+    meta = choice.get("meta_info") or {}
+    steps = meta.get("spec_verify_ct") or 0
+    if not steps:
+        return None
+    hist = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram")
+    if hist is None:
+        raise DraftsmithError("SGLang reported verify steps but no acceptance histogram "
+                              f"(meta_info keys: {sorted(meta)})",
+                              "serve with SGLang 0.5.17 or newer (docs/gpu.md)")
+    accepted_at = [float(sum(hist[i + 1:])) for i in range(k)]  # position i: > i accepted
+    return (float(steps), float(meta.get("spec_num_proposed_drafts", steps * k)),
+            float(meta.get("spec_num_correct_drafts", sum(accepted_at))), accepted_at)
+
+
 _VLLM_SPEC = "vllm:spec_decode_"
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
@@ -110,6 +152,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
             draft_tokens=_VLLM_SPEC + "num_draft_tokens_total",
             accepted=_VLLM_SPEC + "num_accepted_tokens_total",
             accepted_per_position=_VLLM_SPEC + "num_accepted_tokens_per_pos_total"),
+        token_id_fields={"logprobs": True, "return_tokens_as_token_ids": True},
         # eagle3_utils.get_eagle3_aux_layers_from_config reads the top-level key.
         aux_id_offset=0, top_level_aux_ids=True,
         aux_convention="id k = hidden state entering target layer k (output of layer k-1, "
@@ -125,7 +168,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         reasoning_fields=("reasoning_content",),
         speculative_args=_sglang_speculative,
         method_names={"eagle3": "EAGLE3", "eagle3.1": "EAGLE3", "dflash": "DFLASH"},
+        # No acceptance counters on its /metrics (gauges over a logging window only): each
+        # response's own counts, summed
         spec_metrics=None,
+        spec_response=SpecResponse({"return_meta_info": True}, _sglang_spec),
+        token_id_fields={"return_token_ids": True},  # non-streaming: choices[].token_ids
         # SGLang reads id i as the OUTPUT of layer i (`set_eagle3_layers_to_capture` adds one;
         # models/llama.py, qwen3.py, deepseek_v2.py), and only `eagle_config`'s ids
         # (model_runner.py).
@@ -141,6 +188,6 @@ DEFAULT = "vllm"  # server.engine's default, and the engine of an export that na
 # be any engine.
 REASONING_FIELDS = tuple(dict.fromkeys(f for e in ENGINES.values() for f in e.reasoning_fields))
 # What benchmark.engines may list: the in-process reference engine (speculative.py) and the
-# served engines whose acceptance can be read from their counters.
+# served engines whose acceptance can be read from them.
 REFERENCE = "reference"
-MEASURABLE = tuple(name for name, e in ENGINES.items() if e.spec_metrics is not None)
+MEASURABLE = tuple(name for name, e in ENGINES.items() if e.measurable)
