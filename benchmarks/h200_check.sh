@@ -68,7 +68,11 @@ sglang.launch_server --model-path {model}"
      # generate (and tokenize, which checks the chat format) through SGLang, the seed's
      # pivot: this checkout's code on the Llama toy's target and params, 200 prompts
      g=$RUN/llama-sglang-generate
-     rm -rf "$g" && mkdir -p "$g/models" "$OUT/sglang_generate_logs"
+     rm -rf "$g" && mkdir -p "$g/models" "$OUT/sglang_generate_logs" /tmp/bin
+     # the stages' commands run `python`; the image has python3 only (a wrapper, not a link:
+     # its python3 is a virtual environment's)
+     printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python && chmod +x /tmp/bin/python
+     export PATH="/tmp/bin:$PATH"
      tar --exclude=./.git --exclude='./.gpu-*' --exclude=./.whl --exclude=./.venv -cf - . \
          | tar -xf - -C "$g"
      rm -rf "$g/models/target" "$g/data/raw" && cp -r "$RUN/llama/models/target" "$g/models/" \
