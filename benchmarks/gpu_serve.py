@@ -29,6 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from draftsmith.serving.engines import MEASURABLE  # noqa: E402  (the engines acceptance is read from)
+
 
 def launched(cfg, server_command: str | None, extra_args: str, speculative_config: dict = {},
              engine: str = "vllm"):
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
                    help="a pipeline checkout: params.yaml, models/target, data/raw")
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=DRAFTER:EXPORT",
                    help="a trained drafter and its export folder, relative to --repo")
-    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    p.add_argument("--engine", choices=MEASURABLE, default="vllm")
     p.add_argument("--server-command", default=None,
                    help="{model} is the target's path (default: vllm serve {model}, or "
                         "python -m sglang.launch_server --model-path {model})")

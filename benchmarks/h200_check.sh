@@ -49,10 +49,8 @@ if [[ $PARTS == *alone* ]]; then  # the bf16 MLA target alone in vLLM, greedy, a
     serve mla-eagle3+alone "$RUN/mla" models/drafter models/export --temperatures 0 --alone &
 fi
 if [[ $PARTS == *sglang* ]]; then  # one SGLang server at a time (each sizes its memory at start)
-    SGL="env PYTHONPATH=${SGLANG_SITE:-/tmp/sglang-site} PYTHONUNBUFFERED=1 python3 -m \
-sglang.launch_server --model-path {model}"
-    # a fixed share of the GPU; the sampler in PyTorch (FlashInfer's would JIT-compile at start)
-    SGLMEM="--mem-fraction-static 0.12 --sampling-backend pytorch"
+    source benchmarks/sglang_env.sh
+    SGLMEM="--mem-fraction-static 0.12 $SGL_SAMPLER"  # a fixed share of the GPU
     sgl() {  # sgl NAME REPO DRAFTER EXPORT EXTRA [FLAGS...]
         local name=$1 repo=$2 drafter=$3 export=$4 extra=$5; shift 5
         python3 benchmarks/gpu_serve.py --engine sglang --repo "$repo" --server-command "$SGL" \
@@ -65,26 +63,8 @@ sglang.launch_server --model-path {model}"
          sgl "$m" "$RUN/llama" "$d/$m/drafter" "$d/$m/export" "--attention-backend triton"
      done
      sgl mla-eagle3 "$RUN/mla" models/drafter models/export "" --alone
-     # generate (and tokenize, which checks the chat format) through SGLang, the seed's
-     # pivot: this checkout's code on the Llama toy's target and params, 200 prompts
-     g=$RUN/llama-sglang-generate
-     rm -rf "$g" && mkdir -p "$g/models" "$OUT/sglang_generate_logs" /tmp/bin
-     # the stages' commands run `python`; the image has python3 only (a wrapper, not a link:
-     # its python3 is a virtual environment's)
-     printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python && chmod +x /tmp/bin/python
-     export PATH="/tmp/bin:$PATH"
-     tar --exclude=./.git --exclude='./.gpu-*' --exclude=./.whl --exclude=./.venv -cf - . \
-         | tar -xf - -C "$g"
-     rm -rf "$g/models/target" "$g/data/raw" && cp -r "$RUN/llama/models/target" "$g/models/" \
-         && cp "$RUN/llama/params.yaml" "$g/"
-     printf 'server:\n  command: "%s"\n  extra_args: "%s"\ngenerate:\n  num_samples: 200\n' \
-         "$SGL" "$SGLMEM --attention-backend triton" > "$OUT/sglang-generate.yaml"
-     (cd "$g" && python3 -m draftsmith.cli config preset presets/sglang.yaml \
-          "$OUT/sglang-generate.yaml" \
-      && python3 benchmarks/run_stages.py --json "$OUT/sglang_generate_stages.json" \
-          --logs "$OUT/sglang_generate_logs" generate tokenize \
-      && cp metrics/generate.json "$OUT/sglang_generate.json" \
-      && cp metrics/tokenize.json "$OUT/sglang_tokenize.json") > "$OUT/sglang_generate.log" 2>&1
+     # generate and tokenize (which checks the chat format) through SGLang
+     sglang_generate "$RUN/llama" "$OUT" "$SGLMEM --attention-backend triton"
      echo "sglang generate rc=$?" >> "$OUT/rc.txt") &
 fi
 if [[ $PARTS == *serve* ]]; then  # every drafter at once, each with its own server

@@ -59,26 +59,14 @@ python benchmarks/decode_speed.py --repo . --export models/export/vllm \
     --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
 echo "decode_speed rc=$?" >> "$R/rc.txt"
 if [[ -n ${SGLANG_SITE:-} ]] && wait_for "$SGLANG_SITE/.ready" SGLang; then
-    # SGLang runs from its own folder: it pins transformers 5.12.1, the pipeline runs on the
-    # image's. The sampler in PyTorch: FlashInfer's would JIT-compile at every start.
-    SGL="env PYTHONPATH=$SGLANG_SITE PYTHONUNBUFFERED=1 python3 -m sglang.launch_server \
---model-path {model}"
-    SGLARGS=${SGLANG_EXTRA_ARGS:---mem-fraction-static 0.3 --sampling-backend pytorch}
+    source benchmarks/sglang_env.sh
+    SGLARGS=${SGLANG_EXTRA_ARGS:---mem-fraction-static 0.3 $SGL_SAMPLER}
     method=$(python -c "import yaml; print(yaml.safe_load(open('params.yaml'))['train']['method'])")
     python benchmarks/gpu_serve.py --engine sglang --repo . --server-command "$SGL" \
         --extra-args="$SGLARGS" --drafter "$method=models/drafter:models/export" --alone \
         --out "$R/gpu_serve_sglang.json" > "$R/gpu_serve_sglang.log" 2>&1
     echo "gpu_serve sglang rc=$?" >> "$R/rc.txt"
-    g=$WORK-sglang-generate  # the generate and tokenize stages through SGLang, on a copy
-    rm -rf "$g" && mkdir -p "$g" "$R/sglang_generate_logs"
-    tar --exclude=./data/hidden --exclude=./models/train.work -cf - . | tar -xf - -C "$g"
-    printf 'server:\n  command: "%s"\n  extra_args: "%s"\nhidden:\n  engine: hf\ngenerate:\n  num_samples: 200\n' \
-        "$SGL" "$SGLARGS" > "$R/sglang_generate.yaml"
-    (cd "$g" && python -m draftsmith.cli config preset presets/sglang.yaml "$R/sglang_generate.yaml" \
-     && python benchmarks/run_stages.py --json "$R/sglang_generate_stages.json" \
-            --logs "$R/sglang_generate_logs" generate tokenize \
-     && cp metrics/generate.json "$R/sglang_generate.json" \
-     && cp metrics/tokenize.json "$R/sglang_tokenize.json") > "$R/sglang_generate.log" 2>&1
+    sglang_generate "$WORK" "$R" "$SGLARGS"
     echo "sglang generate rc=$?" >> "$R/rc.txt"
 fi
 cp "$R/rc.txt" "$R/DONE"

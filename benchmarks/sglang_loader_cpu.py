@@ -175,7 +175,6 @@ def check(draft: Path, target: Path, dtype: str = "auto") -> dict:
         return R
 
     try:
-        import torch
         from sglang.srt.configs.device_config import DeviceConfig
         from sglang.srt.model_executor.model_runner_components.load_model_utils import (
             build_load_config)
@@ -236,7 +235,6 @@ def check(draft: Path, target: Path, dtype: str = "auto") -> dict:
     H = hf.hidden_size
     # where each of our tensors must land: param name -> [(our name, row offset)]
     expect: dict = {}
-    unmapped = []
 
     def put(param, name, off=0):
         expect.setdefault(param, []).append((name, off))
@@ -363,11 +361,9 @@ def check(draft: Path, target: Path, dtype: str = "auto") -> dict:
                     embed_replaced_before_error=model.model.embed_tokens.weight is emb)
     if tmc is not None and "a_target_side" in R and R["a_target_side"].get("ran"):
         try:  # the target model's capture layers (class built on cpu, no weights; built last: get_rope caches rotary modules by shape, so a meta-device target would hand the draft a meta cos_sin_cache)
-            from sglang.srt.configs.device_config import DeviceConfig  # noqa: F401
             from sglang.srt.model_loader.loader import _initialize_model
             from sglang.srt.configs.load_config import LoadConfig
             from sglang.srt.model_loader.utils import set_default_torch_dtype
-            import torch
 
             with set_default_torch_dtype(tmc.dtype), torch.device("cpu"):
                 tm = _initialize_model(tmc, LoadConfig(), None)
