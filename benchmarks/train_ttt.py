@@ -5,6 +5,8 @@ baseline, side by side in one run.
     python benchmarks/train_ttt.py --preset kimi-k2 --archs llama mla --kinds fast  # both layers
     python benchmarks/train_ttt.py --preset toy --device cpu                      # CPU, seconds
     python benchmarks/train_ttt.py --preset qwen3-8b --kinds fast --methods eagle3 eagle3.1 dflash
+    python benchmarks/train_ttt.py --preset kimi-k2 --archs mla --kinds fast \
+        --attentions flex flash cudnn                                 # MLA on three kernels
 
 Shape (preset `8b`): Llama-3.1-8B (H 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128,256),
 draft vocab 32,000, 7 TTT steps, random weights (speed does not depend on the values);
@@ -18,12 +20,18 @@ a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
   the algorithm the train stage ran before the fast path.
 - fast: what the train stage runs on a GPU (`Trainer.step`: chunked target view, flex
   attention, fused lm_head + soft cross-entropy, torch.compile, a bf16 working copy of the fp32
-  master weights, fused AdamW).
+  master weights, fused AdamW). `--attentions` runs it once per `train.attention` (flex, or
+  the step-0 keys on torch's flash or cuDNN kernel: ttt_kernels.py), side by side.
 - naive: fc + one Llama layer over [emb; h], 7 unrolled steps with plain causal attention (no
   TTT pattern), hard-label CE over the draft vocab, no compile: the field's usual baseline.
 - naive_bf16 (only when asked for): the same with bf16 weights and optimizer state instead of
   fp32 master weights, to tell how much of a baseline figure is that choice.
 All others: bf16 autocast, fp32 master weights, AdamW, gradient clipping.
+
+`first_step_s`: a case's first step, compiling included (`graphs_compiled`: dynamo's new
+graphs). Only a process's first case compiles cold (later ones reuse its caches, and
+TORCHINDUCTOR_CACHE_DIR's from earlier runs: point it at an empty folder for a cold figure);
+the soft-CE kernel's build (nvcc, on first use) is timed apart, `soft_ce_build_s`.
 
 `--methods` (fast path only): EAGLE-3 and EAGLE-3.1 (the same TTT, 3.1's norms added), and
 DFlash as the preset's `dflash` entry has it (qwen3-8b: 5 layers, blocks of 16, 512 anchors a
@@ -68,7 +76,7 @@ def naive_loss(m, batch, steps):
 
 
 def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str = "llama",
-             method: str = "eagle3"):
+             method: str = "eagle3", attention: str = "auto"):
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer
     from draftsmith.losses import ttt_loss_reference
@@ -80,7 +88,7 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         m = m.to(torch.bfloat16)
     batch = make_batch(p, T, rows, device)
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
-    cfg = train_config(p, arch, method, seq_len=T, batch_size=rows)
+    cfg = train_config(p, arch, method, seq_len=T, batch_size=rows, attention=attention)
     rt = Runtime.resolve(cfg.model_copy(update={"device": device.type}))
     trainer = None
     if kind == "fast":  # the train stage's own step: bf16 working copy, fused AdamW
@@ -109,9 +117,16 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         opt.step()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    case = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows,
+            "attention": rt.attention if trainer else "dense" if kind == "reference" else "sdpa"}
+    graphs = _graphs()
     try:
-        for _ in range(2):  # warm-up: compile, autotune, allocator
-            step()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        first = time.perf_counter() - t0  # compiling (cold only in a process's first case)
+        graphs = _graphs() - graphs
+        step()
         sync()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -121,20 +136,40 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         sync()
         seconds = (time.perf_counter() - t0) / iters
         if profile is not None:
-            name = "_".join([kind] + [x for x in (arch, method) if x not in ("llama", "eagle3")])
+            name = "_".join([kind] + [x for x in (arch, method, rt.attention)
+                                      if x not in ("llama", "eagle3", "flex", "reference")])
             write_profile(step, sync, device, profile / f"profile_{name}_T{T}.txt")
     except torch.OutOfMemoryError:
-        return {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows,
-                "status": "out of memory"}
+        return {**case, "status": "out of memory"}
     finally:
         del m, opt, trainer
-    out = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows, "status": "ok",
-           "tokens_per_s": round(rows * T / seconds, 1), "step_ms": round(seconds * 1e3, 2),
+    out = {**case, "status": "ok", "tokens_per_s": round(rows * T / seconds, 1),
+           "step_ms": round(seconds * 1e3, 2), "first_step_s": round(first, 1),
+           "graphs_compiled": graphs,
            "flops_per_token": flops}
     if device.type == "cuda":
         out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         torch.cuda.empty_cache()
     return out
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def kernel_build_seconds(device) -> float | None:
+    """The soft-CE CUDA kernel's build on first use (nvcc, cached in TORCH_EXTENSIONS_DIR),
+    timed apart so a case's first step is compiling only."""
+    from draftsmith_kernels import soft_ce
+
+    if device.type != "cuda":
+        return None
+    t0 = time.perf_counter()
+    soft_ce.available()
+    return round(time.perf_counter() - t0, 1)
 
 
 def write_profile(step, sync, device, path: Path, steps: int = 2) -> None:
@@ -219,6 +254,9 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="*", default=["eagle3"],
                     choices=["eagle3", "eagle3.1", "dflash"],
                     help="drafter methods side by side (other than eagle3: the fast kind only)")
+    ap.add_argument("--attentions", nargs="*", default=["auto"],
+                    choices=["auto", "flex", "flash", "cudnn", "reference"],
+                    help="train.attention of the fast kind, side by side (auto: flex on a GPU)")
     ap.add_argument("--iters", type=int)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--profile", type=Path, help="also write each case's operator profile here")
@@ -226,27 +264,30 @@ def main(argv=None):
     p = dict(PRESETS[args.preset])
     device = torch.device(args.device)
     ceiling = matmul_ceiling(device)
+    build_s = kernel_build_seconds(device)
     results = []
-    cases = [(m, a, k) for m in args.methods for a in args.archs for k in args.kinds
+    cases = [(m, a, k, t) for m in args.methods for a in args.archs for k in args.kinds
+             for t in (args.attentions if k == "fast" else ["auto"])
              if m == "eagle3" or k == "fast"]
     for T in args.lengths or p["lengths"]:
-        for method, arch, kind in cases:
-            if method == "dflash" and arch != "llama":
-                continue  # no engine serves it (config.METHOD_ARCHS)
+        for method, arch, kind, attention in cases:
+            if method == "dflash" and (arch != "llama" or attention in ("flash", "cudnn")):
+                continue  # no engine serves it (config.METHOD_ARCHS); flex only (config.py)
             r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile, arch,
-                         method)
+                         method, attention)
             if r["status"] == "ok" and ceiling:
                 r["mfu"] = round(r["tokens_per_s"] * r["flops_per_token"] / ceiling, 3)
             results.append(r)
             print(json.dumps(r), flush=True)
     out = {**run_info(device, ceiling), "preset": args.preset, "shape": p, "results": results,
-           "soft_ce_kernel": kernel_ratio(device, p)}
-    print(f"\n{'T':>6} {'method':>8} {'arch':>6} {'kind':>10} {'tok/s':>10} {'peak GB':>8} "
-          f"{'mfu':>6}")
+           "soft_ce_kernel": kernel_ratio(device, p), "soft_ce_build_s": build_s}
+    print(f"\n{'T':>6} {'method':>8} {'arch':>6} {'kind':>10} {'attention':>9} {'tok/s':>10} "
+          f"{'peak GB':>8} {'mfu':>6} {'first s':>7}")
     for r in results:
         print(f"{r['T']:>6} {r['method']:>8} {r['arch']:>6} {r['kind']:>10} "
-              f"{r.get('tokens_per_s', r['status']):>10} {r.get('peak_memory_gb', '-'):>8} "
-              f"{r.get('mfu', '-'):>6}")
+              f"{r['attention']:>9} {r.get('tokens_per_s', r['status']):>10} "
+              f"{r.get('peak_memory_gb', '-'):>8} {r.get('mfu', '-'):>6} "
+              f"{r.get('first_step_s', '-'):>7}")
     print("soft-CE kernel:", out["soft_ce_kernel"])
     save_results(args.json, out)
     return out

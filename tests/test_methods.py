@@ -126,7 +126,8 @@ def test_dflash_loss_matches_a_plain_reference(kind):
     cfg = TrainConfig(method="dflash", dflash={"num_layers": 2, "block_size": 4, "anchors": 12,
                                                "loss": kind})
     objective = METHODS["dflash"].objective(cfg, m.config, None, None, None, device="cpu",
-                                            dtype=torch.float64, flex=False, compile=False)
+                                            dtype=torch.float64, attention="reference",
+                                            compile=False)
     loss, stats = objective(m, batch, seed=3)
     loss.backward()
     fast = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
@@ -287,7 +288,7 @@ def test_gpu_dflash_objective_matches_the_fp64_reference():
     def run(model, dtype, fast):
         model.zero_grad()
         objective = method.objective(cfg, c, None, None, None, device="cuda", dtype=dtype,
-                                     flex=fast, compile=fast)
+                                     attention="flex" if fast else "reference", compile=fast)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=fast):
             loss, stats = objective(model, batch, seed=11)
         loss.backward()
@@ -344,6 +345,16 @@ def test_a_method_no_engine_serves_is_refused_naming_the_fix(tmp_path):
         load_config(_params(tmp_path, method="eagle4"))
     for method in ("eagle3", "eagle3.1"):  # both served on the MLA layer
         load_config(_params(tmp_path, method=method, drafter_arch="mla"))
+
+
+def test_a_ttt_kernel_asked_for_dflash_is_refused_naming_the_fix(tmp_path):
+    """train.attention flash and cudnn run EAGLE's TTT attention; DFlash's anchored blocks
+    need flex attention's mask."""
+    for kernel in ("flash", "cudnn"):
+        with pytest.raises(ConfigError, match=f"(?s)train.attention: {kernel}.*DFlash.*"
+                                              "train.attention: auto or flex"):
+            load_config(_params(tmp_path, method="dflash", attention=kernel))
+        load_config(_params(tmp_path, method="eagle3.1", attention=kernel))
 
 
 def test_a_block_the_benchmark_cannot_ask_for_is_refused(tmp_path):

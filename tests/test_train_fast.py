@@ -123,19 +123,126 @@ def test_flex_attention_forward_matches_reference_on_cpu(shape):
     """The flex path's mask and log-sum-exp merge (forward; PyTorch has no flex backward on
     the CPU, the GPU test below covers gradients); MLA's values narrower than its keys."""
     from draftsmith.ttt_flex import document_block_mask, ttt_attention_flex
+    from draftsmith.ttt_kernels import fixed_width
 
     m = drafter(**shape)
     batch = packed_batch([40, 17, 60], 130, rows=2)
     mask = document_block_mask(batch.doc)
     next_ids = F.pad(batch.ids[:, 1:], (0, 5))
+
+    def flex(q, k0, v0, ks, vs, valid=None):
+        return ttt_attention_flex(q, k0, v0, ks, vs, mask, valid)
+
     with torch.no_grad():
         ref = m.unroll(batch.aux, next_ids, 4, doc=batch.doc, pos=batch.pos)
-        fast = m.unroll(batch.aux, next_ids, 4, doc=batch.doc, pos=batch.pos,
-                        attend=lambda q, k0, v0, ks, vs: ttt_attention_flex(q, k0, v0, ks, vs,
-                                                                            mask))
-    for a, b in zip(ref, fast):
-        real = batch.doc >= 0
+        fast = m.unroll(batch.aux, next_ids, 4, doc=batch.doc, pos=batch.pos, attend=flex)
+        fixed = m.unroll(batch.aux, next_ids, 4, doc=batch.doc, pos=batch.pos,
+                         attend=fixed_width(flex, 4, "cpu"))
+    real = batch.doc >= 0
+    for a, b, c in zip(ref, fast, fixed):
         torch.testing.assert_close(a[real], b[real], rtol=0, atol=1e-10)
+        assert torch.equal(b, c)  # the padded keys add exact zeros
+
+
+def _diagonal_case(nh, nkv, hd, hd_v, j, doc, dtype=torch.float64, device="cpu"):
+    """Random q, step-0 k/v and j diagonal k/v for a batch of documents `doc`, with grads."""
+    g = torch.Generator(device=device).manual_seed(0)
+    B, T = doc.shape
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype, device=device).requires_grad_()
+
+    return (leaf(B, nh, T, hd), leaf(B, nkv, T, hd), leaf(B, nkv, T, hd_v),
+            [leaf(B, nkv, T, hd) for _ in range(j)], [leaf(B, nkv, T, hd_v) for _ in range(j)])
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["", "fixed_width"])
+@pytest.mark.parametrize("j", [0, 1, 3])
+@pytest.mark.parametrize("heads", [(4, 2, 8, 8), (4, 1, 8, 8), (4, 4, 10, 5)],
+                         ids=["gqa", "mqa", "mla"])
+def test_a_flash_style_kernel_gives_the_ttt_attention_and_its_gradients(heads, j, fixed):
+    """ttt_kernels: step-0 keys through a kernel that takes no gradient of its log-sum-exp
+    (the interface of torch's flash and cuDNN kernels, in PyTorch), its backward called with
+    the merged output and log-sum-exp: the dense reference's output and the gradients of q and
+    of every key and value, in float64, over packed rows with padding; also with the diagonal
+    keys padded to a fixed number (fixed_width: what the compiled path sees)."""
+    from draftsmith.drafters.eagle3 import ttt_attention
+    from draftsmith.ttt_kernels import KernelAttention, fixed_width
+
+    doc = packed_batch([5, 9, 3], 20, rows=2).doc
+    doc[1] = 0  # a row that is one document
+    q, k0, v0, ks, vs = _diagonal_case(*heads, j, doc)
+    leaves = [q, k0, v0, *ks, *vs]
+    want = ttt_attention(q, k0, v0, ks, vs, doc)
+    attend = KernelAttention("reference").for_documents(doc)
+    got = (fixed_width(attend, 5, "cpu") if fixed else attend)(q, k0, v0, ks, vs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    probe = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((got * probe).sum(), leaves),
+                    torch.autograd.grad((want * probe).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [dict(nh=4, nkv=2), dict(nh=4, nkv=4, **MLA)],
+                         ids=["gqa", "mla"])
+def test_the_kernel_path_trains_the_drafter_as_the_reference_does(shape):
+    """The TTT objective with train.attention set to a kernel (here the kernels' PyTorch
+    reference, the CPU stand-in for flash and cuDNN): the same loss and gradient for every
+    weight as the dense reference, in float64 (MLA: rope keys shared by the heads)."""
+    from draftsmith.config import TrainConfig
+    from draftsmith.drafters.eagle3 import TTTObjective
+    from draftsmith.ttt_kernels import ReferenceKernel
+
+    m = drafter(**shape)
+    batch = packed_batch([40, 17, 30], 90, rows=2)
+    head, draft_ids = head_for(m), m.d2t + torch.arange(VD)
+    cfg = TrainConfig(ttt_steps=4)
+    grads = []
+    for attention in ("reference", "flash"):
+        objective = TTTObjective(cfg, head, draft_ids, m.t2d, dtype=torch.float64,
+                                 attention=attention, compile=False)
+        if attention == "flash":  # its path, the CUDA kernel swapped for the reference
+            objective.attend.kernel = ReferenceKernel()
+        loss, _ = objective(m, batch, seed=0)
+        loss.backward()
+        grads.append((loss.detach(), _grads(m)))
+        m.zero_grad()
+    (want, want_grads), (loss, got_grads) = grads
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    assert set(got_grads) == set(want_grads)
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("attention", ["flex", "flash"])
+def test_the_compiled_ttt_attention_compiles_once_for_every_step(monkeypatch, attention):
+    """train.compile: the TTT attention's compiled parts see the same signature at every TTT
+    step after the first (fixed_width), so they compile twice in all, not once per number of
+    diagonal keys (7 TTT steps: 7 graphs forward and 7 backward before). Counted with
+    dynamo's own counter. flex: its forward (the CPU has no flex backward), one graph without
+    diagonal keys and one with; flash (its kernel swapped for the PyTorch reference): the
+    merge and the merge's backward, once each."""
+    from torch._dynamo.testing import CompileCounter
+
+    from draftsmith.config import TrainConfig
+    from draftsmith.drafters.eagle3 import TTTObjective
+    from draftsmith.ttt_kernels import ReferenceKernel
+
+    counter, compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, backend=counter))
+    m = drafter()
+    batch = packed_batch([20, 15], 40)
+    objective = TTTObjective(TrainConfig(ttt_steps=5), head_for(m), m.d2t + torch.arange(VD),
+                             m.t2d, dtype=torch.float64, attention=attention, compile=True)
+    if attention == "flash":
+        objective.attend.kernel = ReferenceKernel()  # the CUDA kernel's stand-in on the CPU
+    torch._dynamo.reset()
+    for seed in range(2):  # a second step compiles nothing
+        with torch.set_grad_enabled(attention != "flex"):
+            loss, _ = objective(m, batch, seed=seed)
+        if loss.requires_grad:
+            loss.backward()
+    assert counter.frame_count == 2, counter.frame_count
 
 
 def test_target_view_never_needs_the_whole_vocab_at_once():
@@ -181,15 +288,36 @@ def _gpu_case(T, nh=32, nkv=8, hd=128, H=4096, I=14336, Vd=32000, seed=0, **mla)
     return m.cuda(), batch.to("cuda"), head_for(m, torch.bfloat16, ht=H).cuda()
 
 
+def _gpu_attend(attention: str, compile: bool, doc, steps: int = 7):
+    """The train stage's TTT attention on the GPU for these documents: flex or a kernel,
+    compiled as TTTObjective compiles it (fixed_width) when asked."""
+    from draftsmith.ttt_kernels import KernelAttention, fixed_width
+
+    if attention == "flex":
+        from draftsmith.ttt_flex import (compiled_ttt_attention_flex, document_block_mask,
+                                         ttt_attention_flex)
+
+        attn = compiled_ttt_attention_flex() if compile else ttt_attention_flex
+        mask = document_block_mask(doc)
+
+        def attend(q, k0, v0, ks, vs, valid=None):
+            return attn(q, k0, v0, ks, vs, mask, valid)
+    else:
+        attend = KernelAttention(attention, compile).for_documents(doc)
+    return fixed_width(attend, steps, doc.device) if compile else attend
+
+
+GPU_ATTENTIONS = ["flex", "flash", "cudnn"]
+
+
 @cuda
+@pytest.mark.parametrize("attention", GPU_ATTENTIONS)
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_gpu_fast_path_matches_reference_in_bf16(compile, arch):
-    """Same batch, same weights: flex attention + CUDA soft-CE kernel under bf16 autocast vs
-    the dense reference under bf16 autocast. Loss and gradients agree within bf16 rounding."""
-    from draftsmith.ttt_flex import (compiled_ttt_attention_flex, document_block_mask,
-                                     ttt_attention_flex)
-
+def test_gpu_fast_path_matches_reference_in_bf16(compile, arch, attention):
+    """Same batch, same weights: the TTT attention on flex (or torch's flash, or cuDNN) + CUDA
+    soft-CE kernel under bf16 autocast vs the dense reference under bf16 autocast. Loss and
+    gradients agree within bf16 rounding."""
     mla = KIMI_MLA if arch == "mla" else {}
     m, batch, head = _gpu_case(1024, H=1024, I=2048, nh=8, nkv=8 if mla else 2, Vd=4000, **mla)
     draft_ids = m.d2t + torch.arange(len(m.d2t), device="cuda")
@@ -200,12 +328,10 @@ def test_gpu_fast_path_matches_reference_in_bf16(compile, arch):
     ref_loss.backward()
     ref = _grads(m)
     m.zero_grad()
-    attn = compiled_ttt_attention_flex() if compile else ttt_attention_flex
-    mask = document_block_mask(batch.doc)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         view = target_view(batch, head, draft_ids, m.t2d)
         loss, stats = ttt_loss(m, batch, view, steps, weights, "soft_ce",
-                               attend=lambda q, k0, v0, ks, vs: attn(q, k0, v0, ks, vs, mask),
+                               attend=_gpu_attend(attention, compile, batch.doc),
                                dtype=torch.bfloat16)
     loss.backward()
     assert torch.isfinite(loss)
@@ -217,18 +343,17 @@ def test_gpu_fast_path_matches_reference_in_bf16(compile, arch):
 
 
 @cuda
+@pytest.mark.parametrize("attention", GPU_ATTENTIONS)
 @pytest.mark.parametrize("arch, method", [("llama", "eagle3"), ("mla", "eagle3"),
                                           ("llama", "eagle3.1"), ("mla", "eagle3.1")])
-def test_gpu_bf16_layer_matches_the_fp64_reference(arch, method):
+def test_gpu_bf16_layer_matches_the_fp64_reference(arch, method, attention):
     """The drafter layer, grouped-query or MLA, EAGLE-3 or 3.1 (normed aux states and carried
-    states), as the train stage runs it on a GPU (bf16 autocast, compiled flex TTT attention,
-    values narrower than keys for MLA) against the dense reference in float64, same weights
-    and packed row: every TTT step's states and every gradient of a fixed random projection of
-    them within bf16's error. (On the CPU, bf16 autocast with the reference attention lands at
+    states), as the train stage runs it on a GPU (bf16 autocast, the TTT attention compiled
+    on flex or on torch's flash or cuDNN kernel, values narrower than keys for MLA) against
+    the dense reference in float64, same weights and packed row: every TTT step's states and
+    every gradient of a fixed random projection of them within bf16's error. (On the CPU, bf16 autocast with the reference attention lands at
     0.3-0.7% on the states, < 1% on gradients.)"""
     import copy
-
-    from draftsmith.ttt_flex import compiled_ttt_attention_flex, document_block_mask
 
     mla = KIMI_MLA if arch == "mla" else {}
     v31 = dict(method=method, fc_norm=True, norm_output=True) if method == "eagle3.1" else {}
@@ -239,13 +364,12 @@ def test_gpu_bf16_layer_matches_the_fp64_reference(arch, method):
     g = torch.Generator(device="cuda").manual_seed(3)
     probe = [torch.randn(1, T, 1024, device="cuda", generator=g) for _ in range(steps)]
     real = batch.doc >= 0
-    attn, mask = compiled_ttt_attention_flex(), document_block_mask(batch.doc)
+    attend = _gpu_attend(attention, True, batch.doc)
 
     def run(model, aux, fast: bool):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=fast):
             states = model.unroll(aux, next_ids, steps, doc=batch.doc, pos=batch.pos,
-                                  attend=(lambda q, k0, v0, ks, vs: attn(q, k0, v0, ks, vs, mask))
-                                  if fast else None)
+                                  attend=attend if fast else None)
         sum((h[real].double() * r[real].double()).sum() for h, r in zip(states, probe)).backward()
         return [h.detach().double()[real] for h in states], _grads(model)
 
@@ -350,6 +474,8 @@ def test_runtime_refuses_impossible_devices_before_any_work(monkeypatch):
         Runtime.resolve(TrainConfig(device="cuda"))
     with pytest.raises(DraftsmithError, match="flex needs a GPU"):
         Runtime.resolve(TrainConfig(attention="flex"))
+    with pytest.raises(DraftsmithError, match="cudnn needs a GPU.*CUDA kernel"):
+        Runtime.resolve(TrainConfig(attention="cudnn"))
     rt = Runtime.resolve(TrainConfig())  # auto on a CPU machine: the embedded default's path
     assert (rt.device.type, rt.dtype, rt.attention, rt.compile) == \
         ("cpu", torch.float32, "reference", False)

@@ -242,7 +242,7 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(20, ge=0)
     grad_clip: float = Field(0.5, gt=0)
     bf16: bool | Literal["auto"] = "auto"
-    attention: Literal["auto", "flex", "reference"] = "auto"
+    attention: Literal["auto", "flex", "flash", "cudnn", "reference"] = "auto"
     compile: bool | Literal["auto"] = "auto"
     num_workers: int = Field(1, ge=0)
     seed: int = 0
@@ -262,6 +262,15 @@ class TrainConfig(_Section):
                 f"that (vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
                 f"qwen3_dflash.py). Set drafter_arch: {layers}, or method: eagle3 or eagle3.1 "
                 "for an MLA drafter")
+        return self
+
+    @model_validator(mode="after")
+    def _kernel_takes_the_method(self):
+        if self.attention in ("flash", "cudnn") and self.method == "dflash":
+            raise ValueError(
+                f"train.attention: {self.attention} runs EAGLE's TTT attention (causal within "
+                "each document); DFlash's blocks over sampled anchors need flex attention's "
+                "mask. Set train.attention: auto or flex")
         return self
 
     @model_validator(mode="after")

@@ -16,10 +16,10 @@ the dense reference the tests hold this to (gradients flow through lse0 too).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from draftsmith.ttt_kernels import diagonal_merge
 
 try:  # torch >= 2.9 returns the log-sum-exp this way; older versions through return_lse
     from torch.nn.attention.flex_attention import AuxRequest
@@ -67,35 +67,19 @@ def _with_lse(attn, q, k, v, block_mask):
     return out, aux.lse
 
 
-def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask):
+def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask, valid=None):
     """q: (B, nh, T, hd); k0 and each of ks: (B, nkv, T, hd); v0 and each of vs: (B, nkv,
-    T, hd_v). Same result as
-    drafter.ttt_attention(q, k0, v0, ks, vs, doc) for the block mask of `doc`."""
+    T, hd_v); valid: which diagonal keys count (None: all; ttt_kernels.fixed_width). Same
+    result as drafter.ttt_attention(q, k0, v0, ks, vs, doc) for the block mask of `doc`."""
     attn = _flex() if q.is_cuda else flex_attention
     o0, lse0 = _with_lse(attn, q, k0, v0, block_mask)
     if not ks:
         return o0
-    B, nh, T, hd = q.shape
-    nkv = k0.shape[1]
-    qg = q.view(B, nkv, nh // nkv, T, hd)  # heads grouped by their KV head: no copy of K/V
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax weights in >= fp32
-    s = torch.stack([(qg * k[:, :, None]).sum(-1) for k in ks], -1).to(acc)
-    s = s * (1.0 / math.sqrt(hd))  # (B, nkv, rep, T, j)
-    lse0 = lse0.view(B, nkv, nh // nkv, T).to(acc)
-    m = torch.maximum(lse0, s.amax(-1))
-    w0 = torch.exp(lse0 - m)
-    wd = torch.exp(s - m[..., None])
-    z = w0 + wd.sum(-1)
-    hd_v = o0.shape[-1]  # MLA's values are narrower than its queries and keys
-    out = o0.view(B, nkv, nh // nkv, T, hd_v) * (w0 / z)[..., None].to(q.dtype)
-    wd = (wd / z[..., None]).to(q.dtype)
-    for i, v in enumerate(vs):
-        out = out + wd[..., i, None] * v[:, :, None]
-    return out.view(B, nh, T, hd_v)
+    return diagonal_merge(o0, lse0, q, ks, vs, valid)[0]
 
 
 def compiled_ttt_attention_flex():
-    """The whole TTT attention compiled (flex + the log-sum-exp merge fused), one graph per
-    number of diagonal keys."""
+    """The whole TTT attention compiled (flex + the log-sum-exp merge fused): one graph per
+    number of diagonal keys, or one in all under ttt_kernels.fixed_width."""
     _flex()  # raises dynamo's recompile limits first
     return torch.compile(ttt_attention_flex, dynamic=False)

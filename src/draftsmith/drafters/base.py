@@ -137,10 +137,11 @@ class Method(ABC):
     # --- training
     @abstractmethod
     def objective(self, cfg: TrainConfig, c: DrafterConfig, head, d2t: torch.Tensor,
-                  t2d: torch.Tensor, *, device, dtype, flex: bool, compile: bool) -> Objective:
+                  t2d: torch.Tensor, *, device, dtype, attention: str,
+                  compile: bool) -> Objective:
         """The training loss for train.* (head: TargetHead; what the objective needs of it goes
-        to `device` in `dtype`, the compute dtype). flex: the block-sparse GPU attention;
-        compile: torch.compile it."""
+        to `device` in `dtype`, the compute dtype). attention: the runtime's (reference, or a
+        GPU kernel: flex, flash, cudnn); compile: torch.compile it."""
 
     def compile(self, model: nn.Module) -> None:
         """Compile the model's hot functions in place (train.compile)."""

@@ -170,6 +170,7 @@ class BlockObjective(Objective):
     teacher's logits for every drafted slot of a batch exist at once: rows x vocab)."""
 
     def __init__(self, cfg, c: DrafterConfig, *, dtype, flex: bool, compile: bool):
+        """flex: the GPU's block-sparse attention (else the dense reference)."""
         self.block, self.anchors, self.mask_id = c.block_size, cfg.dflash.anchors, c.mask_token_id
         self.positions = c.block_size - 1
         self.weights = [math.exp(-k / cfg.dflash.gamma) for k in range(self.positions)]
@@ -296,8 +297,10 @@ class DFlash(Method):
         if copy:  # its states go through the target's own head: the target's final norm
             model.norm.weight.data.copy_(head.norm.float())
 
-    def objective(self, cfg, c, head, d2t, t2d, *, device, dtype, flex, compile):
-        return BlockObjective(cfg, c, dtype=dtype, flex=flex, compile=compile)
+    def objective(self, cfg, c, head, d2t, t2d, *, device, dtype, attention, compile):
+        # train.attention: flash or cudnn is refused for DFlash (config.py): flex on a GPU
+        return BlockObjective(cfg, c, dtype=dtype, flex=attention != "reference",
+                              compile=compile)
 
     def compile(self, model):
         for layer in model.layers:

@@ -236,28 +236,46 @@ class Eagle3Proposer(Proposer):
 class TTTObjective(Objective):
     """EAGLE-3's training-time-test loss (train/loss.py's `ttt_loss`): soft cross-entropy (or
     KL) to the target's distribution over the draft vocab at every step, step j weighted
-    step_weight**j; on a GPU the TTT attention runs on flex attention (ttt_flex.py)."""
+    step_weight**j; on a GPU the TTT attention runs on flex attention (ttt_flex.py) or, with
+    train.attention flash or cudnn, on that kernel (ttt_kernels.py)."""
 
-    def __init__(self, cfg, head, draft_ids, t2d, *, dtype, flex: bool, compile: bool):
+    def __init__(self, cfg, head, draft_ids, t2d, *, dtype, attention: str, compile: bool):
         self.positions = cfg.ttt_steps
         self.weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
         self.kind, self.dtype = cfg.loss, dtype
         self.head, self.draft_ids, self.t2d = head, draft_ids, t2d
-        self.attend = None
-        if flex:
+        self.attention, self.attend, self.compile = attention, None, compile
+        if attention == "flex":
             from draftsmith.ttt_flex import compiled_ttt_attention_flex, ttt_attention_flex
 
             self.attend = compiled_ttt_attention_flex() if compile else ttt_attention_flex
+        elif attention != "reference":
+            from draftsmith.ttt_kernels import KernelAttention
+
+            self.attend = KernelAttention(attention, compile)
+
+    def attention_for(self, doc):
+        """The TTT attention for a batch of these documents: attend(q, k0, v0, ks, vs); None
+        for the dense reference. Compiled, it takes the same number of diagonal keys at every
+        step (fixed_width), so it compiles once, not once per step."""
+        from draftsmith.ttt_kernels import fixed_width
+
+        if self.attend is None:
+            return None
+        if self.attention == "flex":
+            from draftsmith.ttt_flex import document_block_mask
+
+            mask = document_block_mask(doc)
+            attend = lambda q, k0, v0, ks, vs, valid=None: self.attend(  # noqa: E731
+                q, k0, v0, ks, vs, mask, valid)
+        else:
+            attend = self.attend.for_documents(doc)
+        return fixed_width(attend, self.positions, doc.device) if self.compile else attend
 
     def __call__(self, model, batch, seed, per_step_count=None):
         from draftsmith.losses import target_view, ttt_loss
 
-        attend = None
-        if self.attend is not None:
-            from draftsmith.ttt_flex import document_block_mask
-
-            mask = document_block_mask(batch.doc)
-            attend = lambda q, k0, v0, ks, vs: self.attend(q, k0, v0, ks, vs, mask)  # noqa: E731
+        attend = self.attention_for(batch.doc)
         view = target_view(batch, self.head, self.draft_ids, self.t2d)
         return ttt_loss(model, batch, view, self.positions, self.weights, self.kind,
                         attend=attend, dtype=self.dtype, per_step_count=per_step_count)
@@ -337,12 +355,12 @@ class Eagle3(Method):
     def import_name(self, name):  # the speculators layout names the layer layers.0
         return name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name
 
-    def objective(self, cfg, c, head, d2t, t2d, *, device, dtype, flex, compile):
+    def objective(self, cfg, c, head, d2t, t2d, *, device, dtype, attention, compile):
         from draftsmith.vocab import draft_ids_from_d2t
 
         # (V, Ht): the target's argmax and its distribution over the draft vocab
         return TTTObjective(cfg, head.lm_head.to(device, dtype), draft_ids_from_d2t(d2t).to(device),
-                            t2d.to(device), dtype=dtype, flex=flex, compile=compile)
+                            t2d.to(device), dtype=dtype, attention=attention, compile=compile)
 
     def compile(self, model):
         # the layer's norms, rotary and MLP fused; shapes are static

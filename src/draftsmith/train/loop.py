@@ -39,7 +39,7 @@ from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
 class Runtime:
     device: torch.device
     dtype: torch.dtype  # compute dtype: bf16 under autocast, else fp32
-    attention: str  # flex | reference
+    attention: str  # flex | flash | cudnn | reference
     compile: bool
 
     @classmethod
@@ -54,9 +54,10 @@ class Runtime:
                           else "cpu")
         on_gpu = device.type == "cuda"
         attention = cfg.attention if cfg.attention != "auto" else ("flex" if on_gpu else "reference")
-        if attention == "flex" and not on_gpu:
-            raise DraftsmithError("train.attention: flex needs a GPU (PyTorch has no flex "
-                                  "attention backward on the CPU)",
+        if attention != "reference" and not on_gpu:
+            why = ("PyTorch has no flex attention backward on the CPU" if attention == "flex"
+                   else f"{attention} attention is a CUDA kernel")
+            raise DraftsmithError(f"train.attention: {attention} needs a GPU ({why})",
                                   "set train.attention: auto or reference on the CPU")
         bf16 = on_gpu if cfg.bf16 == "auto" else cfg.bf16
         return cls(device, torch.bfloat16 if bf16 else torch.float32, attention,
@@ -154,7 +155,7 @@ class Trainer:
         d2t, t2d = vocab or (getattr(model, "d2t", None), getattr(model, "t2d", None))
         self.objective = self.method.objective(cfg, model.config, head, d2t, t2d,
                                                device=rt.device, dtype=rt.dtype,
-                                               flex=rt.attention == "flex", compile=rt.compile)
+                                               attention=rt.attention, compile=rt.compile)
         if rt.compile:
             self.method.compile(self.compute)
         self.parallel = None  # the whole loss under DDP or FSDP2, with several processes

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Drafter training speed on one H200 (issue "drafter training at the limit"): each part a
+# process of its own, results to RESULTS as they come, RESULTS/DONE when all have finished
+# (each part's exit status in RESULTS/rc.txt). Run detached and poll (device calls end at
+# 600 s):
+#   setsid nohup bash benchmarks/h200_train.sh RESULTS [WHEELS] > /tmp/train.log 2>&1 &
+# WHEELS: a folder of wheels the image lacks (pydantic ...), installed to /tmp/pyd.
+# PARTS (default all, in this order):
+#   cold     the first step of each drafter layer at the Kimi shape, T = 8,192, flex, with an
+#            empty inductor cache (what a user's first run pays; the soft-CE build apart)
+#   mla      the MLA layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
+#   llama8b  the Llama layer at the 8B shape, T = 16,384, flex / flash / cuDNN
+#   numerics the GPU tests: bf16 fast path vs the fp64 reference, every attention and layer
+#   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
+# A dry run on a CPU (what it runs, at toy size; the GPU tests skip):
+#   KIMI=toy B8=toy SHORT=64 LONG=128 ATTENTIONS=auto bash benchmarks/h200_train.sh /tmp/r
+set -uo pipefail
+KIMI=${KIMI:-kimi-k2} B8=${B8:-8b} SHORT=${SHORT:-8192} LONG=${LONG:-16384}
+ATTENTIONS=${ATTENTIONS:-flex flash cudnn}
+R=${1:?results folder} WHEELS=${2:-}
+mkdir -p "$R"
+R=$(cd "$R" && pwd)
+[[ -n $WHEELS ]] && python3 -m pip install -q --no-index --no-deps --target /tmp/pyd "$WHEELS"/*.whl
+export PYTHONPATH="/tmp/pyd:$PWD/src" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" \
+    > "$R/versions.txt" 2>&1
+ttt() {  # ttt NAME ARGS...: one train_ttt.py process, its own empty inductor cache
+    local cache; cache=$(mktemp -d)
+    TORCHINDUCTOR_CACHE_DIR=$cache python3 benchmarks/train_ttt.py --kinds fast \
+        --json "$R/train_ttt_$1.json" "${@:2}" > "$R/train_ttt_$1.log" 2>&1
+    echo "$1 rc=$?" >> "$R/rc.txt"
+}
+for part in ${PARTS:-cold mla llama8b numerics llama}; do
+    case $part in
+        cold) for arch in llama mla; do
+                  ttt "cold_$arch" --preset "$KIMI" --archs "$arch" --lengths "$SHORT" --iters 2
+              done ;;
+        mla) ttt mla --preset "$KIMI" --archs mla --lengths "$SHORT" "$LONG" \
+                 --attentions $ATTENTIONS ;;
+        llama8b) ttt llama8b --preset "$B8" --lengths "$LONG" --attentions $ATTENTIONS ;;
+        llama) ttt llama --preset "$KIMI" --archs llama --lengths "$SHORT" "$LONG" \
+                   --attentions $ATTENTIONS ;;
+        numerics) python3 -m pytest -q -p no:cacheprovider tests/test_train_fast.py \
+                      -k "gpu" > "$R/numerics.log" 2>&1
+                  echo "numerics rc=$?" >> "$R/rc.txt" ;;
+        *) echo "unknown part $part" >> "$R/rc.txt" ;;
+    esac
+done
+touch "$R/DONE"
