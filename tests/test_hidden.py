@@ -439,3 +439,56 @@ def test_shards_written_from_tensor_memory_are_standard_safetensors(tmp_path):
                                                         v.contiguous().view(torch.uint8)), k
     with safe_open(path, "pt") as f:
         assert torch.equal(f.get_slice("aux")[1:3], t["aux"][1:3])
+
+
+def test_states_kept_by_an_online_run_become_the_artifact_only_when_they_fit(
+        toy_target, toy_data, tmp_path, capsys):
+    """hidden.kept_from: a folder of states kept by an online run (hidden.online_keep; here the
+    toy's stored states laid out as one, its key computed as the train stage computes it) is
+    taken as the artifact, shard by shard with its sha256 checked, before any engine starts;
+    a folder kept for other inputs, one missing samples, or another engine's, is left, saying
+    why; a shard that does not match its sha256 stops the stage, naming it."""
+    import json
+    import shutil
+
+    from draftsmith.artifacts import sample_lengths
+    from draftsmith.hidden_format import kept_key, read_hidden_manifest
+
+    tok = toy_data / "tok"
+    stored = read_hidden_manifest(toy_data / "hidden")
+    layers, lengths = stored["aux_layers"], sample_lengths(tok)
+    kept = tmp_path / "kept"
+    shutil.copytree(toy_data / "hidden", kept)
+    key = kept_key(toy_target, tok, layers, "float32")
+    (kept / "manifest.json").write_text(json.dumps({**stored, "key": key}))
+    cfg = HiddenConfig(engine="vllm", dtype="float32", aux_layers=layers, kept_from=str(kept))
+
+    m = hidden.run(cfg, toy_target, tok, tmp_path / "out")  # no server: none is configured
+    assert m["adopted_kept_shards"] == len(stored["shards"]) and m["samples"] == len(lengths)
+    want = {sid: (a, f) for sid, a, f, _, _ in hidden_format.iter_hidden(toy_data / "hidden")}
+    got = {sid: (a, f) for sid, a, f, _, _ in hidden_format.iter_hidden(tmp_path / "out")}
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[s][0], want[s][0]) and torch.equal(got[s][1], want[s][1])
+               for s in got)
+
+    def refused(why: str, config=cfg, key=key):
+        assert hidden.adopt_kept(kept, config, key, lengths, tmp_path / "no") is None
+        assert why in capsys.readouterr().out and not (tmp_path / "no").exists()
+
+    refused("kept for other samples, target, layers or dtype",
+            key=kept_key(toy_target, tok, layers, "bfloat16"))
+    refused("kept states are vLLM's", config=cfg.model_copy(update={"engine": "hf"}))
+    first = stored["shards"][0]  # a sample short (as an online run killed in its 1st epoch)
+    fewer = {**first, "ids": first["ids"][:-1], "lengths": first["lengths"][:-1]}
+    (kept / "manifest.json").write_text(json.dumps(
+        {**stored, "key": key, "shards": [fewer, *stored["shards"][1:]]}))
+    refused(f"it holds {len(lengths) - 1} of the {len(lengths)} samples")
+    (kept / "manifest.json").write_text(json.dumps({**stored, "key": key}))
+    shard = kept / stored["shards"][0]["file"]
+    with pytest.raises(ValueError, match="kept_from.*Set hidden.mode: offline"):
+        HiddenConfig(mode="online", kept_from=str(kept))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one bit pattern flipped
+    with pytest.raises(DraftsmithError, match=f"(?s){shard.name} does not match its sha256"
+                                              ".*unset hidden.kept_from"):
+        hidden.adopt_kept(kept, cfg, key, lengths, tmp_path / "bad")

@@ -229,7 +229,8 @@ def test_online_from_the_engine_survives_both_sides_killed_and_equals_offline(qw
     The last rerun keeps the states (the hybrid, hidden.online_keep; one run fewer in CI): they
     are written as hidden shards in the work folder and later epochs read them there, so the
     engine computes each sample once over its 5 epochs; the folder is an offline hidden
-    artifact (checksums verified) with the hidden stage's states for every sample."""
+    artifact (checksums verified) with the hidden stage's states for every sample. The hidden
+    stage offline with hidden.kept_from then takes them as its artifact, no engine started."""
     from draftsmith.train.data import HiddenStore
 
     repo = qwen["repo"]
@@ -283,6 +284,23 @@ def test_online_from_the_engine_survives_both_sides_killed_and_equals_offline(qw
     assert kept.keys() == offline.keys()
     assert all(torch.equal(kept[s][0], offline[s][0]) and torch.equal(kept[s][1], offline[s][1])
                for s in kept)
+    # 4. offline reuse: the hidden stage with hidden.kept_from takes them, starting no engine
+    out, kept_dir = tmp_path / "adopted", tmp_path / "tw/kept"
+    adopt = subprocess.run(
+        [sys.executable, "-m", "stages.hidden", "--target", str(repo / "models/target"),
+         "--tokenized", str(repo / "data/tokenized"), "--out", str(out),
+         "--work", str(tmp_path / "adopt.work"), "--set", f"hidden.kept_from={kept_dir}",
+         "--set", "server.command=no-server-expected {model}"],  # one started would fail
+        cwd=repo, capture_output=True, text=True)
+    assert adopt.returncode == 0, adopt.stdout + adopt.stderr
+    am = json.loads(adopt.stdout.strip().splitlines()[-1].removeprefix("hidden: "))
+    shards = json.loads((kept_dir / "manifest.json").read_text())["shards"]
+    assert am["adopted_kept_shards"] == len(shards) > 0 and am["mode"] == "offline", am
+    HiddenStore(out)  # every shard's sha256 checked
+    adopted = states(out)
+    assert adopted.keys() == offline.keys() and all(
+        torch.equal(adopted[s][0], offline[s][0]) and torch.equal(adopted[s][1], offline[s][1])
+        for s in adopted)
     worst = drafter_difference(tmp_path / "drafter", repo / "models/drafter")
     REPORT.append(f"online from vLLM, engine and trainer each killed once: drafter vs offline "
                   f"on the same states: max diff {worst:.2e} of a tensor's scale; engine files "

@@ -216,6 +216,16 @@ class HiddenConfig(_Section):
     device_map: Literal["auto"] | None = None
     online_ahead: int = Field(4, ge=1)
     online_keep: bool = False
+    kept_from: str | None = None
+
+    @model_validator(mode="after")
+    def _kept_from_offline(self):
+        if self.kept_from and self.mode != "offline":
+            raise ValueError(
+                "hidden.kept_from makes the states an online run kept into the offline "
+                "artifact; with mode: online it would be ignored. Set hidden.mode: offline, "
+                "or kept_from: null")
+        return self
 
 
 class DFlashConfig(_Section):

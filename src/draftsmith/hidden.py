@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,12 +34,12 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.artifacts import TOKENIZED_MANIFEST, iter_samples, sample_lengths
-from draftsmith.atomic import file_sha256, write_json
+from draftsmith.atomic import atomic_path, file_sha256, write_json
 from draftsmith.capture import capture_flat, capture_rows, is_varlen, set_attention
 from draftsmith.config import HiddenConfig, ServerConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
 from draftsmith.fused_forward import fused
-from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, empty_states, encode,
+from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, empty_states, encode, kept_key,
                                       offline_manifest, online_manifest, sample_tensors,
                                       shard_entry, shard_file, token_bytes)
 from draftsmith.packing import first_fit
@@ -273,6 +274,12 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
                                      cfg.dtype) if w.main else {}
     lengths = sample_lengths(tokenized_dir)
     check_window(lengths, context_length(target_dir))  # before loading or serving the target
+    if cfg.kept_from and w.main:
+        adopted = adopt_kept(Path(cfg.kept_from), cfg,
+                             kept_key(target_dir, tokenized_dir, layers, cfg.dtype), lengths,
+                             out_dir)
+        if adopted:
+            return adopted
     if cfg.engine == "vllm":
         out_dir = Path(out_dir)
         return write_hidden_served(cfg, server or ServerConfig(), target_dir, tokenized_dir,
@@ -290,6 +297,45 @@ def run(cfg: HiddenConfig, target_dir: Path, tokenized_dir: Path, out_dir: Path,
     with fused(model):  # norms, SiLU-MLPs, rotary as single kernels (a GPU with Triton)
         return write_hidden(cfg, model, layers, tokenized_dir, out_dir, info.revision or "",
                             pad_id, w)
+
+
+def adopt_kept(kept_dir: Path, cfg: HiddenConfig, key: str, lengths: dict[str, int],
+               out_dir: Path) -> dict | None:
+    """hidden.kept_from: the states an online run kept (hidden.online_keep) become this stage's
+    artifact, no engine started, when they are what capturing would write: kept for these
+    samples, target, layers and dtype, and captured by the engine asked for (vLLM's capture
+    gives the same states bit for bit, tests/test_hidden_vllm.py). Shards are copied and
+    checked against their sha256. -> the stage's metrics, or None (the reason printed)."""
+    index = kept_dir / HIDDEN_MANIFEST
+    kept = json.loads(index.read_text()) if index.exists() else {}
+    ids = {i for s in kept.get("shards", []) for i in s["ids"]}
+    why = ("it holds no kept states" if not kept else
+           f"hidden.engine is {cfg.engine}; kept states are vLLM's" if cfg.engine != "vllm" else
+           "they were kept for other samples, target, layers or dtype" if kept.get("key") != key
+           or kept["dtype"] != cfg.dtype else
+           f"it holds {len(ids & lengths.keys())} of the {len(lengths)} samples"
+           if ids != lengths.keys() else "")
+    if why:
+        print(f"hidden: not taking the states kept in {kept_dir}: {why}; capturing them")
+        return None
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        for shard in tqdm(kept["shards"], desc="hidden: kept shards", unit="shard"):
+            shutil.copyfile(kept_dir / shard["file"], tmp / shard["file"])
+            if _digest(tmp / shard["file"]) != {k: shard[k] for k in ("bytes", "sha256")}:
+                raise DraftsmithError(
+                    f"kept shard {kept_dir / shard['file']} does not match its sha256 in "
+                    f"{index}", f"delete {kept_dir} (or unset hidden.kept_from) to capture again")
+        write_json(tmp / HIDDEN_MANIFEST, offline_manifest(
+            kept["aux_layers"], kept["hidden_size"], kept["dtype"], kept["shards"]))
+    tokens = sum(lengths.values())
+    per_token = token_bytes(cfg.dtype, len(kept["aux_layers"]), kept["hidden_size"])
+    return {"mode": "offline", "engine": cfg.engine, "aux_layers": kept["aux_layers"],
+            "samples": len(lengths), "tokens": tokens, "shards": len(kept["shards"]),
+            "reused_shards": 0, "adopted_kept_shards": len(kept["shards"]),
+            "dtype": cfg.dtype, "bytes_per_token": per_token, "bytes": per_token * tokens,
+            "processes": 1}
 
 
 def write_online_manifest(layers: list[int], hidden_size: int, out_dir: Path,

@@ -112,6 +112,21 @@ def offline_manifest(aux_layers: list[int], hidden_size: int, dtype: str,
             "dtype": dtype, "shards": shards}
 
 
+def kept_key(target_dir: Path, tokenized_dir: Path, layers: list[int], dtype: str) -> str:
+    """What states kept by an online run (hidden.online_keep) are a function of: the samples,
+    the target, the layers and the dtype asked for (the engine is always vLLM's). The kept
+    folder's manifest carries it; hidden.kept_from takes the folder only when it matches."""
+    import hashlib
+    import json
+
+    from draftsmith.artifacts import TOKENIZED_MANIFEST
+    from draftsmith.target_info import read_info
+
+    h = hashlib.sha256((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_bytes())
+    h.update(json.dumps([read_info(target_dir).revision, layers, dtype]).encode())
+    return h.hexdigest()[:16]
+
+
 def online_manifest(aux_layers: list[int], hidden_size: int, engine: str = "hf",
                     dtype: str = "bfloat16") -> dict:
     """engine: what runs the target for training (hf: the trainer itself; vllm: a server it

@@ -57,6 +57,7 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
     import torch
 
     from draftsmith.artifacts import sample_lengths
+    from draftsmith.hidden_format import kept_key
     from draftsmith.serving import hidden_states as engine
     from draftsmith.target_info import load_final_norm, read_info
     from draftsmith.train.engine_feed import DiskPeak, disk_bound
@@ -69,7 +70,8 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
     with engine.served_capture(server, target_dir, work_dir, states) as client, \
             DiskPeak(work_dir / "states") as disk:
         engine.check_lengths(lengths, client.max_model_len, "the server")
-        keep = (work_dir / "kept", _kept_key(target_dir, tokenized_dir, manifest)) \
+        keep = (work_dir / "kept", kept_key(target_dir, tokenized_dir, manifest["aux_layers"],
+                                            manifest.get("dtype"))) \
             if hidden.online_keep else None
         metrics = train(*args, engine=client, online_ahead=hidden.online_ahead, keep=keep)
     if metrics and not server.urls:  # a launched server: its files are ours to watch
@@ -77,20 +79,6 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
             server.concurrency, max(lengths.values()), len(states.ids), config.hidden_size,
             getattr(torch, read_info(target_dir).dtype)))
     return metrics
-
-
-def _kept_key(target_dir: Path, tokenized_dir: Path, manifest: dict) -> str:
-    """What kept states are a function of: the target, the samples, the layers and dtype."""
-    import hashlib
-    import json
-
-    from draftsmith.artifacts import TOKENIZED_MANIFEST
-    from draftsmith.target_info import read_info
-
-    h = hashlib.sha256((Path(tokenized_dir) / TOKENIZED_MANIFEST).read_bytes())
-    h.update(json.dumps([read_info(target_dir).revision, manifest["aux_layers"],
-                         manifest.get("dtype")]).encode())
-    return h.hexdigest()[:16]
 
 
 __all__ = ["run", "train", "TargetHead"]
