@@ -291,19 +291,11 @@ def _gpu_case(T, nh=32, nkv=8, hd=128, H=4096, I=14336, Vd=32000, seed=0, **mla)
 def _gpu_attend(attention: str, compile: bool, doc, steps: int = 7):
     """The train stage's TTT attention on the GPU for these documents: flex or a kernel,
     compiled as TTTObjective compiles it (fixed_width) when asked."""
+    from draftsmith.ttt_flex import FlexAttention
     from draftsmith.ttt_kernels import KernelAttention, fixed_width
 
-    if attention == "flex":
-        from draftsmith.ttt_flex import (compiled_ttt_attention_flex, document_block_mask,
-                                         ttt_attention_flex)
-
-        attn = compiled_ttt_attention_flex() if compile else ttt_attention_flex
-        mask = document_block_mask(doc)
-
-        def attend(q, k0, v0, ks, vs, valid=None):
-            return attn(q, k0, v0, ks, vs, mask, valid)
-    else:
-        attend = KernelAttention(attention, compile).for_documents(doc)
+    kind = FlexAttention(compile) if attention == "flex" else KernelAttention(attention, compile)
+    attend = kind.for_documents(doc)
     return fixed_width(attend, steps, doc.device) if compile else attend
 
 

@@ -78,6 +78,20 @@ def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask, valid=None):
     return diagonal_merge(o0, lse0, q, ks, vs, valid)[0]
 
 
+class FlexAttention:
+    """train.attention flex: ttt_attention_flex, compiled when asked, with the interface of
+    ttt_kernels.KernelAttention (`for_documents`)."""
+
+    def __init__(self, compile: bool = False):
+        self.attend = compiled_ttt_attention_flex() if compile else ttt_attention_flex
+
+    def for_documents(self, doc):
+        """attend(q, k0, v0, ks, vs, valid=None) for a batch of these documents."""
+        mask = document_block_mask(doc)
+        return lambda q, k0, v0, ks, vs, valid=None: self.attend(  # noqa: E731
+            q, k0, v0, ks, vs, mask, valid)
+
+
 def compiled_ttt_attention_flex():
     """The whole TTT attention compiled (flex + the log-sum-exp merge fused): one graph per
     number of diagonal keys, or one in all under ttt_kernels.fixed_width."""

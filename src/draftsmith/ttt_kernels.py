@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.drafters.layers import repeat_kv
 from draftsmith.errors import DraftsmithError
 
 
@@ -346,7 +347,8 @@ class CudnnKernel:
 
 
 def _repeat_heads(x, nh):
-    return x if x.shape[1] == nh else x.repeat_interleave(nh // x.shape[1], 1)
+    """Grouped K/V heads repeated for cuDNN (MLA's, one per query head, left as they are)."""
+    return x if x.shape[1] == nh else repeat_kv(x, nh)
 
 
 KERNELS = {"flash": FlashKernel, "cudnn": CudnnKernel, "reference": ReferenceKernel}

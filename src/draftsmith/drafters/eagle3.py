@@ -244,11 +244,11 @@ class TTTObjective(Objective):
         self.weights = [cfg.step_weight ** j for j in range(cfg.ttt_steps)]
         self.kind, self.dtype = cfg.loss, dtype
         self.head, self.draft_ids, self.t2d = head, draft_ids, t2d
-        self.attention, self.attend, self.compile = attention, None, compile
+        self.attend, self.compile = None, compile  # attend: None = the dense reference
         if attention == "flex":
-            from draftsmith.ttt_flex import compiled_ttt_attention_flex, ttt_attention_flex
+            from draftsmith.ttt_flex import FlexAttention
 
-            self.attend = compiled_ttt_attention_flex() if compile else ttt_attention_flex
+            self.attend = FlexAttention(compile)
         elif attention != "reference":
             from draftsmith.ttt_kernels import KernelAttention
 
@@ -257,19 +257,12 @@ class TTTObjective(Objective):
     def attention_for(self, doc):
         """The TTT attention for a batch of these documents: attend(q, k0, v0, ks, vs); None
         for the dense reference. Compiled, it takes the same number of diagonal keys at every
-        step (fixed_width), so it compiles once, not once per step."""
+        step after the first (fixed_width), so it compiles twice, not once per step."""
         from draftsmith.ttt_kernels import fixed_width
 
         if self.attend is None:
             return None
-        if self.attention == "flex":
-            from draftsmith.ttt_flex import document_block_mask
-
-            mask = document_block_mask(doc)
-            attend = lambda q, k0, v0, ks, vs, valid=None: self.attend(  # noqa: E731
-                q, k0, v0, ks, vs, mask, valid)
-        else:
-            attend = self.attend.for_documents(doc)
+        attend = self.attend.for_documents(doc)
         return fixed_width(attend, self.positions, doc.device) if self.compile else attend
 
     def __call__(self, model, batch, seed, per_step_count=None):
