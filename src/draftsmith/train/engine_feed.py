@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, encode, hidden_states,
                                       offline_manifest, read_hidden_manifest, sample_tensors,
@@ -157,12 +159,29 @@ class EngineStore(TokenStore):
 class EngineFeed:
     """The steps' batches in order; a thread fetches each step's states `ahead` steps before
     the trainer takes it. Rates: `engine_tokens_per_s` (fetching alone) and `idle_s` (the
-    trainer waiting for a batch)."""
+    trainer waiting for a batch).
 
-    def __init__(self, store: EngineStore, steps: list, seq_len: int, ahead: int):
+    It also says, once each, what a user would otherwise only see as a stalled progress bar:
+    no states for much longer than the steps so far took (`stall_floor_s`, or `stall_factor`
+    times their median step, whichever is longer; it goes on waiting, the client's own
+    timeouts still apply), and the machine's available memory falling below `low_memory`
+    (a share of it) while training: the engine and the trainer share it, and past it the
+    machine swaps or kills one of them. server_log: the launched server's log, named there."""
+
+    def __init__(self, store: EngineStore, steps: list, seq_len: int, ahead: int,
+                 server_log: Path | None = None, stall_floor_s: float = 60.0,
+                 stall_factor: float = 20.0, low_memory: float = 0.05, meminfo=None):
+        from draftsmith.serving.memory import meminfo as read_meminfo
+
         self.store, self.steps, self.seq_len = store, steps, seq_len
         self.ready: queue.Queue = queue.Queue(maxsize=ahead)
         self.fetched_tokens, self.fetch_s, self.idle_s = 0, 0.0, 0.0
+        self.ahead, self.server_log = ahead, server_log
+        self.stall_floor_s, self.stall_factor = stall_floor_s, stall_factor
+        self.low_memory, self.meminfo = low_memory, meminfo or read_meminfo
+        self.step_s: list[float] = []  # each step's time, from one batch taken to the next
+        self.reported: set[str] = set()  # "stall", "memory": each said once
+        self._memory_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="engine-feed", daemon=True)
         self._thread.start()
@@ -193,15 +212,82 @@ class EngineFeed:
         self._put(None)
 
     def __iter__(self):
+        last = None  # when the trainer took the last batch
         while True:
             t0 = time.perf_counter()
-            item = self.ready.get()
-            self.idle_s += time.perf_counter() - t0
+            if last is not None:
+                self.step_s.append(t0 - last)
+            self._check_memory()
+            item = self._wait(t0)
+            last = time.perf_counter()
+            self.idle_s += last - t0
             if item is None:
                 return
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    @property
+    def stall_after_s(self) -> float:
+        """Seconds without states after which the feed counts as stalled."""
+        steps = sorted(self.step_s)
+        median = steps[len(steps) // 2] if steps else 0.0
+        return max(self.stall_floor_s, self.stall_factor * median)
+
+    def _wait(self, t0: float):
+        """The next item; says once when it is much later than the steps so far."""
+        while True:
+            waited = time.perf_counter() - t0
+            limit = self.stall_after_s
+            try:
+                return self.ready.get(timeout=max(limit - waited, 0.05)
+                                      if "stall" not in self.reported else None)
+            except queue.Empty:
+                if time.perf_counter() - t0 >= limit:
+                    self._report("stall", self._stall_message(time.perf_counter() - t0))
+
+    def _stall_message(self, waited: float) -> str:
+        steps = sorted(self.step_s)
+        took = (f"the {len(steps)} steps so far took {steps[len(steps) // 2]:.2f} s each "
+                "(median)") if steps else "no step has been trained yet"
+        return (f"train: WARNING no states from the engine for {waited:.0f} s, where {took}; "
+                f"still waiting (server.request_timeout_s and server.max_retries apply). "
+                f"Check: the server's log ({self.server_log or 'of the server in server.urls'}); "
+                f"the machine's memory ({self._memory_line()}): swapping or an engine killed for "
+                "memory (dmesg) stalls it, and the engine's KV cache and the trainer share it "
+                "(docs/performance.md#online-from-the-serving-engine); server.concurrency "
+                f"(requests in flight) and hidden.online_ahead={self.ahead} (steps fetched "
+                "ahead): lower them to hold fewer states at once")
+
+    def _memory_line(self) -> str:
+        from draftsmith.serving.memory import gib
+
+        m = self.meminfo()
+        if "MemAvailable" not in m:
+            return "not readable here"
+        swap = m.get("SwapTotal", 0) - m.get("SwapFree", 0)
+        return (f"{gib(m['MemAvailable'])} of {gib(m['MemTotal'])} available, "
+                f"{gib(swap)} swap used")
+
+    def _check_memory(self) -> None:
+        """At most once a second: the machine's available memory, reported once when low."""
+        now = time.perf_counter()
+        if "memory" in self.reported or now - self._memory_at < 1.0:
+            return
+        self._memory_at = now
+        m = self.meminfo()
+        if "MemAvailable" in m and m["MemAvailable"] < self.low_memory * m["MemTotal"]:
+            self._report("memory", (
+                f"train: WARNING the machine is low on memory while training online "
+                f"({self._memory_line()}): the engine's KV cache and the trainer share it, and "
+                "past it the machine swaps or kills one of them. Check the engine's memory "
+                "flags in server.extra_args (docs/serving.md#the-engines-memory), "
+                f"server.concurrency and hidden.online_ahead={self.ahead}"))
+
+    def _report(self, what: str, message: str) -> None:
+        if what not in self.reported:
+            self.reported.add(what)
+            tqdm.write(message, file=sys.stderr)
 
     @property
     def engine_tokens_per_s(self) -> float | None:
@@ -246,3 +332,20 @@ def disk_bound(concurrency: int, longest: int, n_ids: int, hidden_size: int,
     """The most bytes of states the engine's files hold at once: `concurrency` requests of the
     longest sample, each file (n, ids, H) in the target's dtype plus its token ids."""
     return concurrency * longest * (n_ids * hidden_size * dtype.itemsize + 8)
+
+
+def trainer_bytes(batch_tokens: int, ttt_steps: int, hidden_size: int, n_aux: int,
+                  vocab_size: int, draft_vocab: int, held_tokens: int, held_bytes: int,
+                  device: str) -> dict[str, int]:
+    """The trainer's memory beside the engine, estimated, per device type: the states it holds
+    (`held_tokens`: the steps fetched ahead, the one being built and the one training, and the
+    evaluation samples, held all run) on the host; the target's embedding and lm_head, the
+    drafter (a decoder layer of about 12 H^2, fc, its lm_head) with gradients and AdamW's
+    two moments in fp32, and activations where it trains: about 7 x ttt_steps fp32 values of
+    width H a token, from the H200's 8B-shape peaks (21.6 GB at T=2,048, 32.6 GB at 16,384)."""
+    states = held_tokens * (n_aux + 1) * hidden_size * held_bytes
+    head = 2 * vocab_size * hidden_size * 4
+    drafter = 16 * ((12 + n_aux) * hidden_size + draft_vocab) * hidden_size
+    activations = batch_tokens * ttt_steps * 7 * hidden_size * 4
+    model = head + drafter + activations
+    return {"cpu": states + model} if device == "cpu" else {"cpu": states, device: model}

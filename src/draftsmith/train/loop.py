@@ -342,7 +342,8 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         epoch += 1
     # The same global steps whatever the world size; each process takes its share of the rows.
     steps = [split(trainer.full(rows), w) for rows in plan[start:cfg.steps]]
-    feed = EngineFeed(store, steps, cfg.seq_len, online_ahead) if fed else None
+    feed = EngineFeed(store, steps, cfg.seq_len, online_ahead,
+                      server_log=getattr(engine, "server_log", None)) if fed else None
     batches = iter(feed or loader(store, steps, cfg.seq_len, device=rt.device,
                                   workers=cfg.num_workers))
     tokens = torch.zeros((), dtype=torch.long, device=rt.device)
