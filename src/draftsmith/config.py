@@ -60,6 +60,11 @@ class EmbeddedTargetConfig(_Section):
     # cpu by default: the embedded default's figures stay bit-reproducible on any machine; cuda
     # (bf16 autocast) for a GPU-sized toy (presets/h200.yaml)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    # fp32: fp32 master weights and AdamW state (16 bytes a parameter; on a GPU the forward and
+    # backward autocast to bf16). bf16: weights, gradients and AdamW state in bf16 (8 bytes a
+    # parameter), so an 8B-class body trains on one 80 GB GPU; its updates (lr x ~1 on weights
+    # of ~0.02) stay far above bf16's rounding step, which is all a short toy run needs
+    weights: Literal["fp32", "bf16"] = "fp32"
 
     @property
     def head_width(self) -> int:

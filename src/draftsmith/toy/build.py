@@ -192,11 +192,17 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
     rows = _encode(tokenizer, train_exs, cfg.seed, cfg.max_seq_len)
     eval_rows = _encode(tokenizer, eval_exs, cfg.seed + 1, cfg.max_seq_len)
 
-    model = (DeepseekV3ForCausalLM(_mla_config(cfg, tokenizer)) if mla
-             else Qwen3ForCausalLM(_model_config(cfg, tokenizer))).to(device)
-    # fp32 master weights; on a GPU the forward and backward run in bf16 (a GPU-sized toy
-    # trains in minutes there), on the CPU in fp32 as before (bit-reproducible figures)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
+    config = _mla_config(cfg, tokenizer) if mla else _model_config(cfg, tokenizer)
+    # Built where it trains: an 8B-class body's random init takes minutes on the host and
+    # 28 GB of its memory. The CPU build is unchanged (bit-reproducible figures).
+    with torch.device(device) if device.type == "cuda" else nullcontext():
+        model = (DeepseekV3ForCausalLM if mla else Qwen3ForCausalLM)(config)
+    bf16_weights = cfg.weights == "bf16"
+    model = model.to(device, torch.bfloat16 if bf16_weights else torch.float32)
+    # fp32 master weights: on a GPU the forward and backward run in bf16 autocast (a GPU-sized
+    # toy trains in minutes there), on the CPU in fp32 as before; bf16 weights need no autocast
+    autocast = torch.autocast("cuda", torch.bfloat16) \
+        if device.type == "cuda" and not bf16_weights else nullcontext()
     # fused: one kernel per step for every parameter (the foreach default launches several
     # per tensor group, which a launch-bound GPU toy pays on each step); the CPU keeps the
     # default, so the embedded default's figures stay bit-identical
@@ -205,6 +211,7 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
     rng = random.Random(cfg.seed)
     batches: list[list[int]] = []
     tokens = 0
+    t_loop = time.time()
     bar = tqdm(range(cfg.train_steps), desc="target: train", unit="step")
     for step in bar:
         if not batches:
@@ -225,7 +232,9 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
         opt.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-    train_s = time.time() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    train_s, loop_s = time.time() - t0, time.time() - t_loop
 
     metrics = {"heldout_loss": round(_eval_loss(model, eval_rows, tokenizer.pad_token_id), 4)}
     metrics.update({k: round(v, 4) for k, v in _greedy_accuracy(model, tokenizer, eval_exs).items()})
@@ -233,6 +242,9 @@ def build(cfg: EmbeddedTargetConfig, out_dir: Path, *, mla: bool = False) -> dic
         parameters=sum(p.numel() for p in model.parameters()),
         vocab_size=len(tokenizer), train_tokens=tokens,
         train_tokens_per_s=round(tokens / train_s, 1), train_device=device.type,
+        train_weights=cfg.weights, train_loop_s=round(loop_s, 1),
+        **({"train_peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)}
+           if device.type == "cuda" else {}),
         eval_examples=len(eval_exs),
         chance_accuracy=round(_majority_baseline(train_exs, eval_exs), 4),
     )
