@@ -232,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--server-command", help="default: server.command")
     p.add_argument("--extra-args", help="vLLM flags for every server (default server.extra_args)")
     p.add_argument("--logs", type=Path, help="keep each server's log here (start-up phases)")
+    p.add_argument("--plot", type=Path, help="a PNG of the speed-ups (needs --export)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
 
@@ -287,11 +288,40 @@ def main(argv=None) -> int:
                           f"{r['decode_ms_per_token']} ms/token", flush=True)
                     write(a.out, out)  # a failure keeps the rest
     out.update(summarize(rows, a.concurrency, ks if a.export else [], a.shapes, shapes))
+    if a.plot and a.export:
+        plot(out, a.plot)
     if a.logs:  # where each start went (all started at once: they share the CPUs meanwhile)
         out["server_phases"] = {name: startup_phases((a.logs / log_name(name)).read_text())
                                 for name in plan}
     write(a.out, out)
     return 0
+
+
+def plot(out: dict, path: Path) -> None:
+    """Tokens a second, the target alone beside the drafter at each k, one group of bars per
+    concurrency, each drafted bar labelled with its speed-up (the median of the rounds')."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = sorted({int(key.rsplit(" c", 1)[1]) for key in out["median"]})
+    servers = ["target", *(drafted_name(int(k)) for k in out["by_k"])]
+    fig, axes = plt.subplots(1, len(conc), figsize=(4 * len(conc), 3.6), squeeze=False)
+    for ax, c in zip(axes[0], conc):
+        tps = [out["median"][f"{s} c{c}"]["tokens_per_s"] for s in servers]
+        bars = ax.bar(range(len(servers)), tps, color=["grey"] + ["tab:blue"] * (len(servers) - 1))
+        for bar, k in zip(bars[1:], out["by_k"]):
+            ax.annotate(f"{out['by_k'][k][f'c{c}']['speedup']}x", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom")
+        ax.set_xticks(range(len(servers)), ["alone", *(f"k={k}" for k in out["by_k"])])
+        ax.set_title(f"{c} request{'s' if c > 1 else ''} in flight")
+        ax.set_ylabel("output tokens / s")
+        ax.margins(y=0.12)  # room for the labels
+    fig.suptitle("decode speed with the drafter (greedy, held-out prompts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def log_name(server: str) -> str:

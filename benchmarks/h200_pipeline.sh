@@ -64,6 +64,7 @@ done
 python benchmarks/decode_speed.py --repo . --export models/export/vllm --k ${DECODE_K:-3 5} \
     --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8} \
     --min-requests ${DECODE_MIN_REQUESTS:-60} --repeats ${DECODE_REPEATS:-3} --logs "$R/server_logs" \
+    --plot "$R/decode_speed.png" \
     --extra-args="${DECODE_EXTRA_ARGS:---gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296}" \
     --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
 echo "decode_speed rc=$?" >> "$R/rc.txt"

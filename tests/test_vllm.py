@@ -192,7 +192,8 @@ def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
                        "--shapes", "128:4", "--concurrency", "1", "2", "--requests", "1",
                        "--min-requests", "8", "--repeats", "2", "--max-tokens", "32",
                        "--server-command", COMMAND, f"--extra-args={EXTRA}",
-                       "--logs", str(tmp_path / "logs"), "--out", str(out)])
+                       "--logs", str(tmp_path / "logs"), "--plot", str(tmp_path / "speed.png"),
+                       "--out", str(out)])
     d = json.loads(out.read_text())
     runs = {(r["server"], r["concurrency"], r["round"]): r for r in d["runs"]}
     drafted = "target+drafter k=3"
@@ -216,6 +217,7 @@ def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
     assert d["target_forward_share"]["c1"] is not None
     assert set(d["server_start_s"]) == {"target", drafted, "shape 128:4"}
     assert len(list((tmp_path / "logs").glob("*.log"))) == 3  # kept for start-up phases
+    assert (tmp_path / "speed.png").read_bytes()[:4] == b"\x89PNG"
     assert all(ph["first_line_to_ready_s"] >= 0 for ph in d["server_phases"].values())
     for c in (1, 2):
         assert d["by_k"]["3"][f"c{c}"]["partings"] == []
