@@ -130,7 +130,7 @@ def drafted_name(k: int) -> str:
 
 
 def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: list[str],
-              shapes: dict) -> dict:
+              shapes: dict, n_prompts: int) -> dict:
     """Medians over rounds; per k, the speed-up per round (target and drafter measured in the
     same round) as its median and range, on both clocks, and what a drafted step costs against
     a plain one; the target's and each shape's forward share of a step (the smallest shape's
@@ -158,7 +158,7 @@ def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: li
             t_plain, t_drafted = med("target", c, "decode_ms_per_token"), \
                 med(name, c, "decode_ms_per_token")
             al = med(name, c, "acceptance_length")
-            same = same_outputs(rows, name, c)
+            same = same_outputs(rows, name, c, n_prompts)
             per_k[f"c{c}"] = {
                 "speedup": round(statistics.median(wall), 3),
                 "speedup_range": [round(min(wall), 3), round(max(wall), 3)],
@@ -167,7 +167,9 @@ def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: li
                 # a drafted step emits acceptance_length tokens: its time against a plain one's
                 "drafted_step_cost": ratio(None if t_drafted is None else t_drafted * al,
                                            t_plain),
-                "outputs_identical_to_target": same["identical"], "partings": same["partings"]}
+                "outputs_identical_to_target": same["identical"],
+                "partings_the_target_alone_gave_too": same["partings_the_target_alone_gave_too"],
+                "partings": same["partings"]}
         out["by_k"][k] = per_k
         print(f"k={k}:", {c: {x: v[x] for x in ("speedup", "decode_speedup", "acceptance_length",
                                                 "outputs_identical_to_target")}
@@ -186,21 +188,34 @@ def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: li
     return out
 
 
-def same_outputs(rows: list[dict], name: str, c: int) -> dict:
+def same_outputs(rows: list[dict], name: str, c: int, n_prompts: int) -> dict:
     """How many greedy outputs with the drafter equal the target's alone for the same request
-    (same concurrency and round), as 'n of m', and where each other one parts: its prompt, the
-    characters both share, and what each says next (a bf16 near-tie parts so; a wrong
-    verification parts anywhere)."""
+    (same concurrency and round), as 'n of m', and where each other one parts: its prompt
+    (request i asks prompt i mod n_prompts), the characters both share, what each says next,
+    and whether the target served alone gave the drafted output itself for that prompt
+    anywhere in the run (another round, request or concurrency). One that did is the target
+    not being batch-invariant at a near-tie, not the drafter; a wrong verification gives an
+    output the target alone never does."""
     plain = {r["round"]: r["texts"] for r in rows if r["server"] == "target" and r["concurrency"] == c}
+    alone: dict[int, set[str]] = {}
+    for r in rows:
+        if r["server"] == "target":
+            for i, text in enumerate(r["texts"]):
+                alone.setdefault(i % n_prompts, set()).add(text)
     pairs = [(r["round"], i, x, y) for r in rows if r["server"] == name and r["concurrency"] == c
              for i, (x, y) in enumerate(zip(r["texts"], plain[r["round"]]))]
     partings = []
     for round_, i, x, y in pairs:
         if x != y:
             at = next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-            partings.append({"round": round_, "request": i, "shared_chars": at,
-                             "drafted_next": x[at:at + 24], "target_next": y[at:at + 24]})
-    return {"identical": f"{len(pairs) - len(partings)} of {len(pairs)}", "partings": partings}
+            partings.append({"round": round_, "request": i, "prompt": i % n_prompts,
+                             "shared_chars": at, "drafted_next": x[at:at + 24],
+                             "target_next": y[at:at + 24],
+                             "target_alone_gave_it_too": x in alone[i % n_prompts]})
+    also = sum(p["target_alone_gave_it_too"] for p in partings)
+    return {"identical": f"{len(pairs) - len(partings)} of {len(pairs)}",
+            "partings_the_target_alone_gave_too": f"{also} of {len(partings)}",
+            "partings": partings}
 
 
 def main(argv=None) -> int:
@@ -233,8 +248,19 @@ def main(argv=None) -> int:
     p.add_argument("--extra-args", help="vLLM flags for every server (default server.extra_args)")
     p.add_argument("--logs", type=Path, help="keep each server's log here (start-up phases)")
     p.add_argument("--plot", type=Path, help="a PNG of the speed-ups (needs --export)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--replot", nargs="+", metavar="LABEL=JSON",
+                   help="measure nothing: draw --plot from earlier runs' --out files, side by "
+                        "side (e.g. EAGLE-3=a.json DFlash=b.json)")
+    p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
+    if a.replot:
+        if not a.plot or not all("=" in r for r in a.replot):
+            p.error("--replot needs --plot and LABEL=JSON pairs")
+        plot({label: json.loads(Path(f).read_text())
+              for label, f in (r.split("=", 1) for r in a.replot)}, a.plot)
+        return 0
+    if not a.out:
+        p.error("--out is required (where the measurements go)")
 
     cfg = load_config(a.repo / "params.yaml")
     server = launched(cfg, a.server_command or cfg.server.command,
@@ -287,9 +313,10 @@ def main(argv=None) -> int:
                           f"{r['ms_per_token_per_request']:>8} ms/token/request, decode "
                           f"{r['decode_ms_per_token']} ms/token", flush=True)
                     write(a.out, out)  # a failure keeps the rest
-    out.update(summarize(rows, a.concurrency, ks if a.export else [], a.shapes, shapes))
+    out.update(summarize(rows, a.concurrency, ks if a.export else [], a.shapes, shapes,
+                         len(prompts)))
     if a.plot and a.export:
-        plot(out, a.plot)
+        plot({"": out}, a.plot)
     if a.logs:  # where each start went (all started at once: they share the CPUs meanwhile)
         out["server_phases"] = {name: startup_phases((a.logs / log_name(name)).read_text())
                                 for name in plan}
@@ -297,28 +324,42 @@ def main(argv=None) -> int:
     return 0
 
 
-def plot(out: dict, path: Path) -> None:
-    """Tokens a second, the target alone beside the drafter at each k, one group of bars per
-    concurrency, each drafted bar labelled with its speed-up (the median of the rounds')."""
+def plot(runs: dict[str, dict], path: Path) -> None:
+    """The speed-up over the target served alone, per drafter and k, one panel per
+    concurrency: runs maps a label (the method) to one run's output, each run's speed-ups
+    against its own target-alone servers (the median of the rounds'), its tokens a second
+    under each bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    conc = sorted({int(key.rsplit(" c", 1)[1]) for key in out["median"]})
-    servers = ["target", *(drafted_name(int(k)) for k in out["by_k"])]
-    fig, axes = plt.subplots(1, len(conc), figsize=(4 * len(conc), 3.6), squeeze=False)
+    conc = sorted({int(key.rsplit(" c", 1)[1]) for out in runs.values() for key in out["median"]})
+    bars = [(label, int(k), out) for label, out in runs.items() for k in out["by_k"]]
+    colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(1, len(conc), figsize=(max(4, 1.1 * len(bars) + 1.5) * len(conc),
+                                                    3.8), squeeze=False)
     for ax, c in zip(axes[0], conc):
-        tps = [out["median"][f"{s} c{c}"]["tokens_per_s"] for s in servers]
-        bars = ax.bar(range(len(servers)), tps, color=["grey"] + ["tab:blue"] * (len(servers) - 1))
-        for bar, k in zip(bars[1:], out["by_k"]):
-            ax.annotate(f"{out['by_k'][k][f'c{c}']['speedup']}x", (bar.get_x() + bar.get_width() / 2,
-                        bar.get_height()), ha="center", va="bottom")
-        ax.set_xticks(range(len(servers)), ["alone", *(f"k={k}" for k in out["by_k"])])
-        ax.set_title(f"{c} request{'s' if c > 1 else ''} in flight")
-        ax.set_ylabel("output tokens / s")
+        ups = [out["by_k"][str(k) if str(k) in out["by_k"] else k][f"c{c}"]["speedup"]
+               for _, k, out in bars]
+        drawn = ax.bar(range(len(bars)), ups, color=[colors[label] for label, _, _ in bars])
+        for bar, up, (_, k, out) in zip(drawn, ups, bars):
+            tps = out["median"][f"{drafted_name(k)} c{c}"]["tokens_per_s"]
+            ax.annotate(f"{up}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom")
+            ax.annotate(f"{tps:,.0f}\ntok/s", (bar.get_x() + bar.get_width() / 2, 0.05),
+                        ha="center", va="bottom", color="white", fontsize=8)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(bars)), [f"{label}\nk={k}".lstrip("\n")
+                                         for label, k, _ in bars])
+        alone = ", ".join(f"{out['median'][f'target c{c}']['tokens_per_s']:,.0f}"
+                          for out in runs.values())
+        ax.set_title(f"{c} request{'s' if c > 1 else ''} in flight (alone: {alone} tok/s)",
+                     fontsize=10)
+        ax.set_ylabel("speed-up over the target alone")
         ax.margins(y=0.12)  # room for the labels
-    fig.suptitle("decode speed with the drafter (greedy, held-out prompts)")
+    fig.suptitle("decode speed with the drafter (greedy, held-out prompts; dashed: the "
+                 "target alone)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

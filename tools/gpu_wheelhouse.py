@@ -141,9 +141,6 @@ with open("site.tar.zst", "rb") as f, tarfile.open(
     t.extractall("{site}", filter="fully_trusted")
 PY
 rm -f site.tar.zst
-# bytecode now, while the host does other work: unpacked without it, the engine's first start
-# compiled its own modules as it imported them (21 s of vLLM's first start on an H100)
-python3 -m compileall -q -j 0 {site} > /dev/null 2>&1 || true
 PYTHONPATH={site} python3 -c "import {module}; print('{name} ready in {site}')"
 touch {site}/.ready  # what benchmarks/h200_pipeline.sh waits for
 """
