@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import subprocess
@@ -61,3 +62,29 @@ def test_a_stage_with_neither_the_library_nor_a_venv_names_the_fix(tmp_path):
     assert p.returncode == 1
     assert "has no draftsmith installed. Run `make install`" in p.stderr
     assert "Traceback" not in p.stderr and "usage:" not in p.stdout
+
+
+def test_metrics_prints_one_line_a_stage_from_what_the_pipeline_wrote():
+    p = cli("metrics")  # the committed metrics/ of the embedded default
+    assert p.returncode == 0, p.stderr
+    rows = p.stdout.splitlines()
+    stages = ["target", "generate", "tokenize", "vocab", "hidden", "train", "export", "benchmark"]
+    assert [r.split()[0] for r in rows[1:9]] == stages
+    assert "not run yet" not in p.stdout and "unreadable" not in p.stdout
+    assert max(len(r) for r in rows) < 200  # a line a stage, not `dvc metrics show`'s columns
+    benchmark = json.loads((REPO / "metrics/benchmark.json").read_text())
+    assert f"acceptance length {benchmark['acceptance_length']}" in rows[8]
+
+
+def test_metrics_says_which_stages_have_not_run_and_which_it_cannot_read(tmp_path):
+    (tmp_path / "vocab.json").write_text(json.dumps(
+        {"draft_vocab_size": 8, "target_vocab_size": 20, "coverage": 0.9, "wall_s": 1.5}))
+    (tmp_path / "train.json").write_text("[1, 2]")  # not a stage's metrics
+    p = cli("metrics", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    line = {r.split()[0]: r for r in p.stdout.splitlines()[1:9]}
+    assert "8 of 20 tokens cover 90.00%" in line["vocab"] and "1.5" in line["vocab"]
+    assert "unreadable" in line["train"] and "Traceback" not in p.stderr
+    assert all("not run yet" in line[s] for s in ("target", "hidden", "benchmark"))
+    missing = cli("metrics", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "run the pipeline first" in missing.stderr

@@ -85,5 +85,20 @@ def validate_export(export_dir: Path = typer.Argument(..., help="an engine expor
     typer.echo(f"{export_dir}: ok {summary}")
 
 
+@app.command("metrics")
+def metrics(metrics_dir: Path = typer.Argument(Path("metrics"), help="the stages' metrics folder")):
+    """One line a stage: the figures to look at after `dvc repro` (every key: `dvc metrics
+    show`; between commits: `dvc metrics diff`)."""
+    from draftsmith.summary import lines
+
+    try:
+        typer.echo("\n".join(lines(metrics_dir)))
+    except DraftsmithError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo("\nplots: plots/train.png, plots/acceptance.png (`dvc plots show`); the drafter: "
+               "models/export/vllm and models/export/sglang")
+
+
 if __name__ == "__main__":
     app()
