@@ -110,7 +110,7 @@ def make_drafter(p, device, arch: str = "llama", method: str = "eagle3"):
 def make_batch(p, T, rows, device):
     """rows samples of T tokens, every token a response token (DFlash: every position a
     possible anchor)."""
-    from draftsmith.train.data import Batch
+    from draftsmith.drafters.batch import Batch
 
     g = torch.Generator().manual_seed(T)
     doc = torch.zeros(rows, T, dtype=torch.long)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.fused_forward import fused
+from draftsmith.hidden.fused_forward import fused
 
 from _common import (HIDDEN_PRESETS as PRESETS, length_mix, make_target, matmul_ceiling,
                      run_info, save_results, write_tokenized)

@@ -13,8 +13,9 @@ import torch
 
 from draftsmith.drafters import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
-from draftsmith.train.data import Batch, pack
-from draftsmith.losses import target_view, ttt_loss, ttt_loss_reference
+from draftsmith.drafters.batch import Batch
+from draftsmith.train.data import pack
+from draftsmith.drafters.losses import target_view, ttt_loss, ttt_loss_reference
 from draftsmith_kernels.soft_ce import soft_ce_ref
 
 H, V, VD, STEPS, ROWS, T = 128, 1024, 256, 3, 4, 256

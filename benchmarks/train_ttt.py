@@ -79,7 +79,7 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
              method: str = "eagle3", attention: str = "auto"):
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer
-    from draftsmith.losses import ttt_loss_reference
+    from draftsmith.drafters.losses import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
     m = make_drafter(p, device, arch, method)

@@ -38,7 +38,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from draftsmith.config import ServerConfig
-    from draftsmith.lossless import check_sampled
+    from draftsmith.benchmark.lossless import check_sampled
     from draftsmith.export import speculative_args
     from draftsmith.prompts import builtin_prompts
     from draftsmith.render import prompt_text

@@ -34,7 +34,7 @@ def test_stage_code_deps_are_its_import_closure(name):
 
 def test_closure_follows_lazy_imports_and_kernel_sources():
     train = {str(p.relative_to(REPO)) for p in closure(REPO / "stages" / "train.py")}
-    assert {"src/draftsmith/ttt_flex.py", "src/draftsmith_kernels/soft_ce.py",
+    assert {"src/draftsmith/drafters/ttt_flex.py", "src/draftsmith_kernels/soft_ce.py",
             "src/draftsmith_kernels/soft_ce.cu",
             "src/draftsmith/train/loop.py"} <= train
     assert "src/draftsmith/generate.py" not in train
@@ -45,7 +45,7 @@ def test_the_write_command_reproduces_dvc_yaml():
     dvc.yaml it changes nothing, and it restores a dep deleted by hand."""
     text = (REPO / "dvc.yaml").read_text()
     assert rewrite(text) == text
-    broken = text.replace("      - src/draftsmith/losses.py\n", "", 1)
+    broken = text.replace("      - src/draftsmith/drafters/losses.py\n", "", 1)
     assert broken != text and rewrite(broken) == text
 
 
@@ -53,7 +53,7 @@ def test_readers_of_the_hidden_states_do_not_depend_on_their_writer():
     """train and benchmark read the hidden states through hidden_format.py alone: tuning the
     hidden stage's writer (its threads, safetensors_write.py, the fp8 kernel) reruns only it;
     and only the stages that relaunch under torchrun depend on dist.py."""
-    writer = {"src/draftsmith/hidden.py", "src/draftsmith/safetensors_write.py",
+    writer = {"src/draftsmith/hidden/__init__.py", "src/draftsmith/hidden/safetensors_write.py",
               "src/draftsmith_kernels/fp8_rows.py", "src/draftsmith_kernels/fp8_rows.cu"}
     for name in ("train", "benchmark"):
         deps = {str(p.relative_to(REPO)) for p in closure(REPO / "stages" / f"{name}.py")}

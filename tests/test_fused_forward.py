@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from draftsmith.fused_forward import fused
+from draftsmith.hidden.fused_forward import fused
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -321,7 +321,8 @@ def test_online_states_equal_the_stored_ones(model, tmp_path):
     """hidden.mode online: the trainer computes each packed batch's states itself; they equal
     what the offline stage stores for the same tokens."""
     from draftsmith.config import TrainConfig
-    from draftsmith.train.data import HiddenStore, TokenStore, make_batch, open_store
+    from draftsmith.train.data import HiddenStore, TokenStore, make_batch
+    from draftsmith.train.loop import open_store
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer, build_drafter
 
@@ -357,7 +358,8 @@ def test_online_states_equal_the_stored_ones(model, tmp_path):
 def test_both_modes_train_on_the_same_batches(model, tmp_path):
     """The training schedule follows the sample ids, not where the hidden stage stored each
     sample: offline shards (here packed longest first) and online mode give the same steps."""
-    from draftsmith.train.data import eval_steps, open_store, schedule
+    from draftsmith.train.data import eval_steps, schedule
+    from draftsmith.train.loop import open_store
 
     tok, _ = _tokenized(tmp_path, [7, 12, 5, 9, 3, 11, 2])
     hidden.write_hidden(HiddenConfig(row_tokens=16), model, [2, 4, 5], tok, tmp_path / "off",
@@ -421,7 +423,7 @@ def test_shards_written_from_tensor_memory_are_standard_safetensors(tmp_path):
     from safetensors.torch import load_file
 
     from draftsmith.atomic import file_sha256
-    from draftsmith.safetensors_write import save_hashed
+    from draftsmith.hidden.safetensors_write import save_hashed
 
     t = {"aux": torch.randn(5, 12).to(torch.bfloat16),
          "final": (torch.randn(5, 4) * 10).to(torch.float8_e4m3fn),

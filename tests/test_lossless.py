@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith import speculative
-from draftsmith.lossless import check_greedy, check_sampled, ks_uniform, tie_tolerance
+from draftsmith.benchmark import speculative
+from draftsmith.benchmark.lossless import check_greedy, check_sampled, ks_uniform, tie_tolerance
 from draftsmith.drafters.eagle3 import Eagle3Proposer
 
 from conftest import random_drafter, tiny_llama

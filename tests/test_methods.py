@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from draftsmith import export, speculative, train
+from draftsmith import export, train
+from draftsmith.benchmark import speculative
 from draftsmith.config import (METHOD_ARCHS, METHOD_NAMES, BenchmarkConfig, ConfigError,
                                ExportConfig, TrainConfig, load_config)
 from draftsmith.drafters import METHODS, DrafterConfig, build, method_of_export
@@ -23,8 +24,8 @@ from draftsmith.drafters.dflash import (DFlashProposer, block_attention, context
 from draftsmith.drafters.layers import decode_attention
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import read_info
-from draftsmith.train.data import Batch
-from draftsmith.losses import LinearCE
+from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.losses import LinearCE
 
 from conftest import REPO, tiny_llama
 

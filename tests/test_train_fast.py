@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from draftsmith.drafters import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
-from draftsmith.train.data import Batch, pack
-from draftsmith.losses import target_view, ttt_loss, ttt_loss_reference
+from draftsmith.drafters.batch import Batch
+from draftsmith.train.data import pack
+from draftsmith.drafters.losses import target_view, ttt_loss, ttt_loss_reference
 
 V, VD, HT = 50, 20, 24
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -122,8 +123,8 @@ MLA = dict(arch="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_r
 def test_flex_attention_forward_matches_reference_on_cpu(shape):
     """The flex path's mask and log-sum-exp merge (forward; PyTorch has no flex backward on
     the CPU, the GPU test below covers gradients); MLA's values narrower than its keys."""
-    from draftsmith.ttt_flex import document_block_mask, ttt_attention_flex
-    from draftsmith.ttt_kernels import fixed_width
+    from draftsmith.drafters.ttt_flex import document_block_mask, ttt_attention_flex
+    from draftsmith.drafters.ttt_kernels import fixed_width
 
     m = drafter(**shape)
     batch = packed_batch([40, 17, 60], 130, rows=2)
@@ -167,7 +168,7 @@ def test_a_flash_style_kernel_gives_the_ttt_attention_and_its_gradients(heads, j
     of every key and value, in float64, over packed rows with padding; also with the diagonal
     keys padded to a fixed number (fixed_width: what the compiled path sees)."""
     from draftsmith.drafters.eagle3 import ttt_attention
-    from draftsmith.ttt_kernels import KernelAttention, fixed_width
+    from draftsmith.drafters.ttt_kernels import KernelAttention, fixed_width
 
     doc = packed_batch([5, 9, 3], 20, rows=2).doc
     doc[1] = 0  # a row that is one document
@@ -191,7 +192,7 @@ def test_the_kernel_path_trains_the_drafter_as_the_reference_does(shape):
     weight as the dense reference, in float64 (MLA: rope keys shared by the heads)."""
     from draftsmith.config import TrainConfig
     from draftsmith.drafters.eagle3 import TTTObjective
-    from draftsmith.ttt_kernels import ReferenceKernel
+    from draftsmith.drafters.ttt_kernels import ReferenceKernel
 
     m = drafter(**shape)
     batch = packed_batch([40, 17, 30], 90, rows=2)
@@ -226,7 +227,7 @@ def test_the_compiled_ttt_attention_compiles_once_for_every_step(monkeypatch, at
 
     from draftsmith.config import TrainConfig
     from draftsmith.drafters.eagle3 import TTTObjective
-    from draftsmith.ttt_kernels import ReferenceKernel
+    from draftsmith.drafters.ttt_kernels import ReferenceKernel
 
     counter, compile = CompileCounter(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, backend=counter))
@@ -291,8 +292,8 @@ def _gpu_case(T, nh=32, nkv=8, hd=128, H=4096, I=14336, Vd=32000, seed=0, **mla)
 def _gpu_attend(attention: str, compile: bool, doc, steps: int = 7):
     """The train stage's TTT attention on the GPU for these documents: flex or a kernel,
     compiled as TTTObjective compiles it (fixed_width) when asked."""
-    from draftsmith.ttt_flex import FlexAttention
-    from draftsmith.ttt_kernels import KernelAttention, fixed_width
+    from draftsmith.drafters.ttt_flex import FlexAttention
+    from draftsmith.drafters.ttt_kernels import KernelAttention, fixed_width
 
     kind = FlexAttention(compile) if attention == "flex" else KernelAttention(attention, compile)
     attend = kind.for_documents(doc)
@@ -500,7 +501,7 @@ def test_weight_gradient_adds_bf16_products_into_fp32(device):
     """loss.add_mm: acc += a @ b with bf16 a, b and an fp32 acc. On a GPU cuBLAS adds the fp32
     product itself: fp32-accurate (a bf16-rounded product, the fallback, is 100x off that);
     on the CPU the fallback's error stays within bf16 rounding of the product."""
-    from draftsmith.losses import add_mm
+    from draftsmith.drafters.losses import add_mm
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(300, 1000, generator=g).to(torch.bfloat16)

@@ -1,8 +1,8 @@
 """The hidden stage's artifact: what its shards hold and how to read them back.
 
 Training and anything else that reads the states import this module alone, not the stage
-(hidden.py): the writer (its threads, safetensors_write.py, the fp8 CUDA kernel) is then not in
-their code deps, and tuning it reruns the hidden stage only.
+(hidden/): the writer (its threads, hidden/safetensors_write.py, the fp8 CUDA kernel) is then
+not in their code deps, and tuning it reruns the hidden stage only.
 
 The artifact is a folder of `hidden-NNNNN.safetensors` shards and a `manifest.json`:
 - a shard's tensors, its n tokens' samples end to end: `aux` (n, L*H) the states entering the

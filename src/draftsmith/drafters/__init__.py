@@ -4,6 +4,11 @@
     dflash.py   DFlash: a block of masks after an anchor, drafted in one forward
     layers.py   what they are built of: norms, rotary, the GQA and MLA attentions, the MLP
     base.py     DrafterConfig (a drafter's shape, saved with it), the Method interface
+    batch.py    Batch: what every objective reads (train/data.py makes them)
+    losses.py   the fused losses without whole-vocabulary logits (TTT soft CE, DFlash's CE)
+    ttt_flex.py, ttt_kernels.py   EAGLE's training-time-test attention on flex attention, or
+                on torch's flash or cuDNN kernel (train.attention); the dense reference is in
+                eagle3.py
 
 train/, speculative.py, benchmark.py and export.py ask the method for everything that differs
 (the model, its loss, its proposer, its export keys), so a new method is a module here and its

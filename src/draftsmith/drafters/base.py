@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # annotations only (tools/code_deps.py does not count these a
 
     from draftsmith.config import TrainConfig
     from draftsmith.serving.engines import Engine
-    from draftsmith.train.data import Batch
+    from draftsmith.drafters.batch import Batch
 
 
 @dataclass

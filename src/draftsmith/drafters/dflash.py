@@ -177,7 +177,7 @@ class BlockObjective(Objective):
         self.soft = cfg.dflash.loss == "soft_ce"
         self.dtype, self.flex = dtype, flex
         if flex:
-            from draftsmith.ttt_flex import _flex
+            from draftsmith.drafters.ttt_flex import _flex
 
             self.attn = _flex() if compile else None
 
@@ -219,7 +219,7 @@ class BlockObjective(Objective):
         acc = accum(self.dtype)
         w = torch.tensor(self.weights, dtype=acc, device=h.device)
         scale = counted.to(acc) * w / (w * divide_by.to(acc)).sum()
-        from draftsmith.losses import CHUNK_ROWS, LinearCE, LinearSoftCE, SharedGrad, ce_chunk_rows
+        from draftsmith.drafters.losses import CHUNK_ROWS, LinearCE, LinearSoftCE, SharedGrad, ce_chunk_rows
 
         x, head = h.reshape(B, -1, h.shape[-1]), model.lm_head.weight
         if self.soft:  # the target's own distribution for the token at a + k

@@ -246,11 +246,11 @@ class TTTObjective(Objective):
         self.head, self.draft_ids, self.t2d = head, draft_ids, t2d
         self.attend, self.compile = None, compile  # attend: None = the dense reference
         if attention == "flex":
-            from draftsmith.ttt_flex import FlexAttention
+            from draftsmith.drafters.ttt_flex import FlexAttention
 
             self.attend = FlexAttention(compile)
         elif attention != "reference":
-            from draftsmith.ttt_kernels import KernelAttention
+            from draftsmith.drafters.ttt_kernels import KernelAttention
 
             self.attend = KernelAttention(attention, compile)
 
@@ -258,7 +258,7 @@ class TTTObjective(Objective):
         """The TTT attention for a batch of these documents: attend(q, k0, v0, ks, vs); None
         for the dense reference. Compiled, it takes the same number of diagonal keys at every
         step after the first (fixed_width), so it compiles twice, not once per step."""
-        from draftsmith.ttt_kernels import fixed_width
+        from draftsmith.drafters.ttt_kernels import fixed_width
 
         if self.attend is None:
             return None
@@ -266,7 +266,7 @@ class TTTObjective(Objective):
         return fixed_width(attend, self.positions, doc.device) if self.compile else attend
 
     def __call__(self, model, batch, seed, per_step_count=None):
-        from draftsmith.losses import target_view, ttt_loss
+        from draftsmith.drafters.losses import target_view, ttt_loss
 
         attend = self.attention_for(batch.doc)
         view = target_view(batch, self.head, self.draft_ids, self.t2d)

@@ -3,7 +3,7 @@ responses put the reasoning, how to make it draft with an exported drafter, whic
 report acceptance (on /metrics or in each response), and how its EAGLE-3 export names the aux
 layers.
 
-server.py, client.py, acceptance.py, benchmark.py and export.py read this table and branch on
+server.py, client.py, acceptance.py, benchmark/ and export.py read this table and branch on
 nothing else, so adding an engine is one entry here, its name in config.py's ENGINE_NAMES (kept
 apart so that editing this table does not rerun every stage) and its tests in
 tests/test_engines.py, which hold the two equal. Nothing here imports an engine: they run as
@@ -217,7 +217,7 @@ DEFAULT = "vllm"  # server.engine's default, and the engine of an export that na
 # Any engine's reasoning field, in the order a response is read: a server given by URL may
 # be any engine.
 REASONING_FIELDS = tuple(dict.fromkeys(f for e in ENGINES.values() for f in e.reasoning_fields))
-# What benchmark.engines may list: the in-process reference engine (speculative.py) and the
+# What benchmark.engines may list: the in-process reference engine (benchmark/speculative.py) and the
 # served engines whose acceptance can be read from them.
 REFERENCE = "reference"
 MEASURABLE = tuple(name for name, e in ENGINES.items() if e.measurable)

@@ -1,7 +1,7 @@
 """Train stage: the drafter of `train.method` (drafters/), from stored hidden states.
 
 data.py: packed rows read lazily from the hidden shards; loop.py: device, steps, evaluation,
-each step the method's objective (drafters/, over ../losses.py's fused losses); resume.py: the
+each step the method's objective (drafters/, over its fused losses); resume.py: the
 checkpoints an interrupted run resumes from; parallel.py: DDP and FSDP2 under torchrun;
 precision.py: the bf16 working copy over fp32 master weights.
 """

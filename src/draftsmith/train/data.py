@@ -15,38 +15,17 @@ the target on each batch.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from draftsmith.artifacts import TOKENIZED_MANIFEST, read_manifest
+from draftsmith.drafters.batch import Batch
 from draftsmith.errors import DraftsmithError
-from draftsmith.hidden_format import (STATE_KEYS, fed_by_engine, hidden_states,
-                                      read_hidden_manifest)
+from draftsmith.hidden_format import STATE_KEYS, hidden_states, read_hidden_manifest
 from draftsmith.packing import first_fit
-
-
-@dataclass
-class Batch:
-    aux: torch.Tensor  # (B, T, 3Ht) target aux states, stored dtype
-    final: torch.Tensor  # (B, T, Ht) target's last hidden state, after its final norm
-    ids: torch.Tensor  # (B, T) int64
-    loss_mask: torch.Tensor  # (B, T) bool: response tokens
-    doc: torch.Tensor  # (B, T) int64: sample index within the row, -1 on padding
-    pos: torch.Tensor  # (B, T) int64: position within the sample
-
-    def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                        for f in fields(self)})
-
-    def pin_memory(self) -> Batch:  # called by DataLoader(pin_memory=True)
-        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return (self.doc >= 0).sum()
 
 
 @dataclass(frozen=True)
@@ -145,21 +124,6 @@ class TokenStore(HiddenStore):
         t = self._slices(i, ("input_ids", "loss_mask"))
         return None, None, t["input_ids"].long(), t["loss_mask"].bool()
 
-
-def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenStore:
-    """The hidden artifact's samples, or in online mode the tokenized ones (with the engine:
-    their states fetched from it, train/engine_feed.py)."""
-    manifest = read_hidden_manifest(hidden_dir)
-    if manifest.get("mode") == "online":
-        if tokenized_dir is None:
-            raise DraftsmithError("the hidden artifact is online (no states stored) but no "
-                                  "tokenized data was given", "pass the tokenized artifact")
-        if fed_by_engine(manifest):
-            from draftsmith.train.engine_feed import EngineStore
-
-            return EngineStore(tokenized_dir, hidden_dir)
-        return TokenStore(tokenized_dir, hidden_dir)
-    return HiddenStore(hidden_dir)
 
 def pack(lengths: dict[int, int], seq_len: int, rng: random.Random | None) -> list[list[int]]:
     """Pack samples (index -> length) into rows of at most seq_len tokens: first fit, in random

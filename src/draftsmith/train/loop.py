@@ -26,9 +26,9 @@ from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
 from draftsmith.drafters import METHODS, DrafterConfig
 from draftsmith.errors import DraftsmithError
+from draftsmith.hidden_format import fed_by_engine, read_hidden_manifest
 from draftsmith.target_info import TargetHead
-from draftsmith.train.data import (HiddenStore, TokenStore, eval_steps, loader, open_store,
-                                   schedule)
+from draftsmith.train.data import HiddenStore, TokenStore, eval_steps, loader, schedule
 from draftsmith.train.engine_feed import EngineFeed, EngineStore
 from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed, shard_over_world
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
@@ -278,6 +278,21 @@ class Trainer:
         return {"accuracy": [round(c / max(1, n), 4) for c, n in zip(correct, count)],
                 "loss": [round(s / max(1, n), 4) for s, n in zip(loss_sum, count)],
                 "positions": [int(n) for n in count]}
+
+
+def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenStore:
+    """The hidden artifact's samples, or in online mode the tokenized ones (with the engine:
+    their states fetched from it, train/engine_feed.py). Here, not in data.py: engine_feed.py
+    builds on data.py."""
+    manifest = read_hidden_manifest(hidden_dir)
+    if manifest.get("mode") == "online":
+        if tokenized_dir is None:
+            raise DraftsmithError("the hidden artifact is online (no states stored) but no "
+                                  "tokenized data was given", "pass the tokenized artifact")
+        if fed_by_engine(manifest):
+            return EngineStore(tokenized_dir, hidden_dir)
+        return TokenStore(tokenized_dir, hidden_dir)
+    return HiddenStore(hidden_dir)
 
 
 EVAL_SEED = 1 << 40  # evaluation's draws, apart from every training step's

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from draftsmith_kernels.soft_ce import soft_ce
 
-if TYPE_CHECKING:  # importing the train package would make every stage that imports a drafter
-    from draftsmith.train.data import Batch  # method depend on the training loop
+if TYPE_CHECKING:
+    from draftsmith.drafters.batch import Batch
 
 CHUNK_ROWS = 4096  # rows of logits alive at once: the target's 4096 x 128K x 2 bytes = 1 GB
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from draftsmith.ttt_kernels import diagonal_merge
+from draftsmith.drafters.ttt_kernels import diagonal_merge
 
 try:  # torch >= 2.9 returns the log-sum-exp this way; older versions through return_lse
     from torch.nn.attention.flex_attention import AuxRequest

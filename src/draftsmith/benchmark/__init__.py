@@ -24,11 +24,11 @@ from draftsmith.atomic import read_jsonl
 from draftsmith.config import BenchmarkConfig, ServerConfig
 from draftsmith.drafters import DrafterConfig, build, method_of
 from draftsmith.errors import DraftsmithError
-from draftsmith.lossless import check_greedy, check_sampled
+from draftsmith.benchmark.lossless import check_greedy, check_sampled
 from draftsmith.prompts import builtin_prompts, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.serving.engines import ENGINES, REFERENCE
-from draftsmith.speculative import SpecStats, generate
+from draftsmith.benchmark.speculative import SpecStats, generate
 
 
 def held_out_prompts(cfg: BenchmarkConfig, raw_dir: Path):

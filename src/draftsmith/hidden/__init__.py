@@ -38,7 +38,7 @@ from draftsmith.atomic import atomic_path, file_sha256, write_json
 from draftsmith.capture import capture_flat, capture_rows, is_varlen, set_attention
 from draftsmith.config import HiddenConfig, ServerConfig, check_aux_layers
 from draftsmith.errors import DraftsmithError
-from draftsmith.fused_forward import fused
+from draftsmith.hidden.fused_forward import fused
 from draftsmith.hidden_format import (FP8, HIDDEN_MANIFEST, empty_states, encode, kept_key,
                                       offline_manifest, online_manifest, sample_tensors,
                                       shard_entry, shard_file, token_bytes)
@@ -207,7 +207,7 @@ def _write_shard(tensors: dict, ready, path: Path) -> dict:
 def _save(tensors: dict, path: Path) -> dict:
     """Write then rename; -> the shard's size and sha256 (computed while writing), for the
     manifest. A full disk leaves no partial file and says so."""
-    from draftsmith.safetensors_write import save_hashed
+    from draftsmith.hidden.safetensors_write import save_hashed
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -244,7 +244,8 @@ def code_fingerprint() -> str:
 
     import transformers
 
-    from draftsmith import capture, fused_forward, hidden_format, packed_attention
+    from draftsmith import capture, hidden_format, packed_attention
+    from draftsmith.hidden import fused_forward
 
     h = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
     for module in (sys.modules[__name__], capture, packed_attention, fused_forward, hidden_format):
