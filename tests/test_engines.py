@@ -33,10 +33,11 @@ def test_each_entry_is_complete(name, tmp_path):
     assert "{model}" in e.launch and e.seed_flag.startswith("--")
     assert e.think_parsers is None or (len(e.think_parsers) == 2 and all(e.think_parsers))
     assert e.reasoning_fields and all(f in REASONING_FIELDS for f in e.reasoning_fields)
-    args = e.speculative_args(tmp_path / "draft", 3, e.method_names["eagle3"])
+    args = e.speculative_args(tmp_path / "draft", 3, METHODS["eagle3"].engine_names[name])
     assert args and all(isinstance(a, str) for a in args)
     assert any(str(tmp_path / "draft") in a for a in args)  # it drafts with the given export
-    assert "eagle3" in e.method_names and set(e.method_names) <= set(METHODS)
+    # every method names what each engine of ours calls it (each serves all three today)
+    assert all(name in m.engine_names for m in METHODS.values())
     if e.spec_metrics is not None:
         assert all(dataclasses.astuple(e.spec_metrics))
     if e.spec_response is not None:
@@ -71,7 +72,7 @@ def test_server_command_line_comes_from_the_entry(name, tmp_path):
     if e.think_parsers:
         assert argv[argv.index("--reasoning-parser") + 1] == e.think_parsers[0]
         assert reasoning_parser(FORMATS["deepseek-r1"], name) == e.think_parsers[1]
-    spec = e.speculative_args(tmp_path / "d", 2, e.method_names["eagle3"])
+    spec = e.speculative_args(tmp_path / "d", 2, METHODS["eagle3"].engine_names[name])
     assert argv[-len(spec):] == spec
 
 
@@ -153,15 +154,17 @@ def test_export_writes_each_engines_keys(tmp_path):
 
 
 def test_a_new_engine_is_one_entry(monkeypatch, tmp_path):
-    """An engine added to the table is launched, drafted with and exported with no other edit."""
+    """An engine added to the table is launched, drafted with and exported with no other edit
+    than its word for each method it serves (the method's engine_names)."""
     from draftsmith.serving import engines, server
 
     toy = Engine(name="toy", label="Toy", launch="toyserve --model {model}", seed_flag="--s",
                  think_parsers=None, reasoning_fields=("reasoning",),
                  speculative_args=lambda d, k, m, more: ["--draft", str(d), "--k", str(k), "--m", m],
-                 method_names={"eagle3": "eagle"}, spec_metrics=None, aux_id_offset=0, aux_convention="as vLLM",
+                 spec_metrics=None, aux_id_offset=0, aux_convention="as vLLM",
                  top_level_aux_ids=False, token_id_fields={"ids": True})
     monkeypatch.setitem(engines.ENGINES, "toy", toy)
+    monkeypatch.setitem(METHODS["eagle3"].engine_names, "toy", "eagle")
     cfg = ServerConfig.model_construct(**{**ServerConfig().model_dump(), "engine": "toy"})
     argv = server.server_argv(cfg, model_dir=tmp_path, served_name="t", port=1, dtype="f",
                               seed=3, chat_format=FORMATS["qwen3"],

@@ -41,7 +41,7 @@ def speculative_args(engine: str, draft_dir: Path, k: int, more: dict | None = N
     f = Path(draft_dir) / "config.json"
     config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
     method = method_of_export(config) if isinstance(config, dict) else None
-    return e.speculative_args(draft_dir, k, e.method_names[(method or METHODS["eagle3"]).name],
+    return e.speculative_args(draft_dir, k, (method or METHODS["eagle3"]).engine_names[e.name],
                               more or {})
 
 
@@ -64,7 +64,7 @@ def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> d
         "draftsmith": {
             "engine": engine.name,
             "method": c.method,
-            "speculative_method": engine.method_names[method.name],
+            "speculative_method": method.engine_names[engine.name],
             "aux_layer_convention": engine.aux_convention,
             "aux_layers_vllm_convention": list(c.aux_layers),
             "aux_capture": "the residual stream entering each layer, before any norm "

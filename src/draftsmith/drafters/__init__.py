@@ -10,11 +10,11 @@
                 on torch's flash or cuDNN kernel (train.attention); the dense reference is in
                 eagle3.py
 
-train/, speculative.py, benchmark.py and export.py ask the method for everything that differs
-(the model, its loss, its proposer, its export keys), so a new method is a module here and its
-entry below, plus its name in config.py's METHOD_NAMES (written there, as the engines' names
-are, so that editing a method reruns only the stages that import it; tests/test_methods.py
-holds the two equal). The table is explicit: imports decide each stage's code deps.
+train/, benchmark/ and export.py ask the method for everything that differs (the model, its
+loss, its proposer, its export keys, what each engine calls it: engine_names), so a new method
+is a module here and its entry below, plus its name in config.py's METHOD_NAMES (written there
+so that editing a method reruns only the stages that import it; tests/test_methods.py holds
+the two equal). The table is explicit: imports decide each stage's code deps.
 """
 
 from __future__ import annotations

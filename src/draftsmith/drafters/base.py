@@ -110,6 +110,9 @@ class Method(ABC):
     # The drafter layers an engine loads this method with, and for each the architecture name
     # its config.json carries.
     architectures: dict[str, str]
+    # engine name -> what that engine calls this method (vLLM's speculative_config.method,
+    # SGLang's --speculative-algorithm); an engine missing here cannot serve it
+    engine_names: dict[str, str]
     reference: str  # paper or engine file the implementation follows
 
     # --- the model

@@ -279,6 +279,7 @@ class DFlashProposer(Proposer):
 class DFlash(Method):
     name, label = "dflash", "DFlash"
     architectures = {"llama": "DFlashDraftModel"}  # vLLM's qwen3_dflash.py (Qwen3 layers)
+    engine_names = {"vllm": "dflash", "sglang": "DFLASH"}
     reference = "arXiv 2602.06036; vLLM qwen3_dflash.py, v1/spec_decode/dflash.py"
     CONVENTION = ("dflash_config.target_layer_ids: id i = output of target layer i (the state "
                   "entering layer i + 1; vLLM adds the one)")

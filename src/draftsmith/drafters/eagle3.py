@@ -322,6 +322,7 @@ class Eagle3(Method):
     # MLA: vLLM's deepseek_eagle3.py and SGLang's kimi_k25_eagle3.py both register the V2 name
     # (only some SGLang versions the V3 alias); both read fc_norm and norm_output.
     architectures = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
+    engine_names = {"vllm": "eagle3", "sglang": "EAGLE3"}  # 3.1 too: its switches are keys
 
     def __init__(self, v31: bool):
         self.v31 = v31

@@ -51,12 +51,9 @@ class Engine:
     # the reasoning stays inline in `content`, verbatim.
     think_parsers: tuple[str, str] | None
     reasoning_fields: tuple[str, ...]  # response message fields a parser puts reasoning in
-    # (drafter export, k, method in the engine's words, server.speculative_config) ->
-    # arguments that make it draft so
+    # (drafter export, k, method in the engine's words (drafters' Method.engine_names),
+    # server.speculative_config) -> arguments that make it draft so
     speculative_args: Callable[[Path, int, str, dict], list[str]]
-    # train.method -> what this engine calls it (vLLM's speculative_config.method, SGLang's
-    # --speculative-algorithm); a method missing here is one the engine cannot serve.
-    method_names: dict[str, str]
     # Where acceptance is read: counters on /metrics, or each response's own counts; neither:
     # it cannot be read from the server
     spec_metrics: SpecMetrics | None
@@ -170,7 +167,6 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         think_parsers=("qwen3", "deepseek_r1"),
         reasoning_fields=("reasoning", "reasoning_content"),
         speculative_args=_vllm_speculative,
-        method_names={"eagle3": "eagle3", "eagle3.1": "eagle3", "dflash": "dflash"},
         spec_metrics=SpecMetrics(
             drafts=_VLLM_SPEC + "num_drafts_total",
             draft_tokens=_VLLM_SPEC + "num_draft_tokens_total",
@@ -195,7 +191,6 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         think_parsers=None,
         reasoning_fields=("reasoning_content",),
         speculative_args=_sglang_speculative,
-        method_names={"eagle3": "EAGLE3", "eagle3.1": "EAGLE3", "dflash": "DFLASH"},
         # No acceptance counters on its /metrics (gauges over a logging window only): each
         # response's own counts, summed
         spec_metrics=None,
