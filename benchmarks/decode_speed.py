@@ -335,15 +335,16 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     conc = sorted({int(key.rsplit(" c", 1)[1]) for out in runs.values() for key in out["median"]})
-    bars = [(label, int(k), out) for label, out in runs.items() for k in out["by_k"]]
+    # (label, k, that k's figures, the run): by_k's keys are ints in a run, strings from JSON
+    bars = [(label, int(k), per_k, out) for label, out in runs.items()
+            for k, per_k in out["by_k"].items()]
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, axes = plt.subplots(1, len(conc), figsize=(max(4, 1.1 * len(bars) + 1.5) * len(conc),
                                                     3.8), squeeze=False)
     for ax, c in zip(axes[0], conc):
-        ups = [out["by_k"][str(k) if str(k) in out["by_k"] else k][f"c{c}"]["speedup"]
-               for _, k, out in bars]
-        drawn = ax.bar(range(len(bars)), ups, color=[colors[label] for label, _, _ in bars])
-        for bar, up, (_, k, out) in zip(drawn, ups, bars):
+        ups = [per_k[f"c{c}"]["speedup"] for _, _, per_k, _ in bars]
+        drawn = ax.bar(range(len(bars)), ups, color=[colors[label] for label, *_ in bars])
+        for bar, up, (_, k, _, out) in zip(drawn, ups, bars):
             tps = out["median"][f"{drafted_name(k)} c{c}"]["tokens_per_s"]
             ax.annotate(f"{up}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom")
@@ -351,7 +352,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
                         ha="center", va="bottom", color="white", fontsize=8)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(bars)), [f"{label}\nk={k}".lstrip("\n")
-                                         for label, k, _ in bars])
+                                         for label, k, *_ in bars])
         alone = ", ".join(f"{out['median'][f'target c{c}']['tokens_per_s']:,.0f}"
                           for out in runs.values())
         ax.set_title(f"{c} request{'s' if c > 1 else ''} in flight (alone: {alone} tok/s)",

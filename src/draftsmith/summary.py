@@ -9,6 +9,7 @@ from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 
+
 def _n(x) -> str:
     return f"{x:,}" if isinstance(x, int) else str(x)
 
