@@ -330,6 +330,33 @@ def test_a_broken_target_directory_is_named(case, toy_target, tmp_path):
 # ----------------------------------------------------------------------------- drafters
 
 
+@pytest.mark.parametrize("made,asked", [(("offline", "hf"), "online"),
+                                        (("online", "vllm"), "offline"),
+                                        (("online", "hf"), "online")])
+def test_train_refuses_hidden_states_made_another_way(toy_target, toy_data, tmp_path, made,
+                                                      asked):
+    """hidden.mode (or, online, hidden.engine) changed and the hidden stage not rerun, as when
+    stages run by hand rather than by `dvc repro`: train follows the artifact, so it would
+    train the other way without a word. It refuses, before loading anything."""
+    from draftsmith import train
+    from draftsmith.config import HiddenConfig, TrainConfig
+    from draftsmith.hidden_format import HIDDEN_MANIFEST, online_manifest
+
+    h = toy_data / "hidden"
+    if made[0] == "online":
+        h = tmp_path / "hidden"
+        h.mkdir()
+        (h / HIDDEN_MANIFEST).write_text(json.dumps(online_manifest([1, 2, 3], 64, made[1])))
+    out = tmp_path / "drafter"
+    outcome, error = attempt(
+        "hidden artifact", f"made {made[0]} ({made[1]}), params say {asked} (vllm)",
+        lambda: train.run(TrainConfig(steps=2), toy_target, h, toy_data / "vocab", out,
+                          tmp_path / "ckpt", tokenized_dir=toy_data / "tok",
+                          hidden=HiddenConfig(mode=asked, engine="vllm")),
+        outputs=[out], named="hidden.mode")
+    assert outcome == "clear" and "rerun the hidden stage" in error.fix
+
+
 @pytest.fixture(scope="module")
 def drafter_files(toy_target, toy_data, tmp_path_factory):
     """A trained drafter (a few steps) and its export, to break."""

@@ -222,7 +222,8 @@ def test_online_training_on_two_processes_follows_one(inputs, tmp_path):
     curves = {}
     for n in (1, 2):
         tmp = tmp_path / f"p{n}"
-        _ok(_stage("train", _params(tmp_path, f"online{n}", n, train=short), **online,
+        _ok(_stage("train", _params(tmp_path, f"online{n}", n, train=short,
+                                    hidden={"mode": "online"}), **online,
                    out=tmp / "drafter", checkpoints=tmp / "ckpt", work=tmp / "train.work",
                    curve=tmp / "curve.csv", plot=tmp / "curve.png", metrics=tmp / "m.json"))
         curves[n] = _curve(tmp / "curve.csv")

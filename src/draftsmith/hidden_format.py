@@ -144,6 +144,20 @@ def read_hidden_manifest(hidden_dir: Path) -> dict:
     return read_manifest(Path(hidden_dir) / HIDDEN_MANIFEST, "hidden")
 
 
+def check_made_as_configured(manifest: dict, hidden_dir: Path, mode: str, engine: str) -> None:
+    """Training follows the hidden artifact's mode, so an artifact made before hidden.mode (or,
+    online, hidden.engine) changed would train the other way without a word: refuse it. `dvc
+    repro` reruns the hidden stage first; a stage run by hand may not."""
+    from draftsmith.errors import DraftsmithError
+
+    made, made_engine = manifest.get("mode", "offline"), manifest.get("engine", "hf")
+    if made != mode or (mode == "online" and made_engine != engine):
+        raise DraftsmithError(
+            f"{hidden_dir} was made with hidden.mode: {made} (engine {made_engine}), but "
+            f"params.yaml now says hidden.mode: {mode} (engine {engine})",
+            "rerun the hidden stage before train (`dvc repro` does: it reruns what changed)")
+
+
 def iter_hidden(hidden_dir: Path):
     """Yield (sample_id, aux, final, input_ids, loss_mask) per sample, states dequantized."""
     from safetensors.torch import load_file

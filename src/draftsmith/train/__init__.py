@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.config import HiddenConfig, ServerConfig, TrainConfig
-from draftsmith.hidden_format import fed_by_engine, read_hidden_manifest
+from draftsmith.hidden_format import (check_made_as_configured, fed_by_engine,
+                                     read_hidden_manifest)
 from draftsmith.target_info import TargetHead, load_target_head
 from draftsmith.train.loop import train
 
@@ -33,6 +34,9 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         set_attention(model, (hidden or HiddenConfig()).attention)
         return model
 
+    manifest = read_hidden_manifest(hidden_dir)
+    if hidden is not None:
+        check_made_as_configured(manifest, hidden_dir, hidden.mode, hidden.engine)
     head = TargetHead(*load_target_head(target_dir))
     mask = None
     if cfg.method == "dflash":
@@ -42,7 +46,6 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         mask = mask_token_id(load_tokenizer(target_dir), head.config.vocab_size)
     args = (cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
             tokenized_dir, load_target, mask)
-    manifest = read_hidden_manifest(hidden_dir)
     if fed_by_engine(manifest):
         return _train_from_engine(args, manifest, target_dir, tokenized_dir,
                                   hidden or HiddenConfig(), server or ServerConfig(),
