@@ -86,7 +86,7 @@ def make_drafter(p, device, arch: str = "llama", method: str = "eagle3"):
     (train.loop.drafter_config), so the benchmark measures the layer training runs."""
     from types import SimpleNamespace
 
-    from draftsmith.drafters import build
+    from draftsmith.drafters.registry import build
     from draftsmith.train.loop import drafter_config
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.registry import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.batch import Batch
 from draftsmith.train.data import pack

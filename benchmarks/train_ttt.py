@@ -272,7 +272,7 @@ def main(argv=None):
     for T in args.lengths or p["lengths"]:
         for method, arch, kind, attention in cases:
             if method == "dflash" and (arch != "llama" or attention in ("flash", "cudnn")):
-                continue  # no engine serves it (config.METHOD_ARCHS); flex only (config.py)
+                continue  # no engine serves it (drafters/options.py: METHOD_ARCHS); flex only (train_problem there)
             r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile, arch,
                          method, attention)
             if r["status"] == "ok" and ceiling:

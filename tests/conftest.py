@@ -200,7 +200,7 @@ def random_drafter(target, draft_vocab: int, seed: int = 1, aux_layers=(1, 2, 3)
     the first `draft_vocab` tokens (d2t offsets 0)."""
     import torch
 
-    from draftsmith.drafters import DrafterConfig
+    from draftsmith.drafters.registry import DrafterConfig
     from draftsmith.drafters.eagle3 import Eagle3Drafter
 
     torch.manual_seed(seed)

@@ -4,7 +4,7 @@ EAGLE-3.1, Llama and MLA layers)."""
 import pytest
 import torch
 
-from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.registry import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter, ttt_attention
 
 

@@ -13,7 +13,7 @@ import torch
 from draftsmith import export
 from draftsmith.chat_format import FORMATS
 from draftsmith.config import BenchmarkConfig, ServerConfig, TargetConfig
-from draftsmith.drafters import METHODS, DrafterConfig
+from draftsmith.drafters.registry import METHODS, DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export import speculative_args
 from draftsmith.serving import acceptance, prometheus

@@ -4,6 +4,7 @@ the toy's data to acceptance in the reference engine, export and validate, and t
 errors. (EAGLE-3.1's TTT against its inference chain: test_drafter.py; served by vLLM:
 test_vllm_methods.py.)"""
 
+import ast
 import json
 import math
 import shutil
@@ -16,12 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import export, train
 from draftsmith.benchmark import speculative
-from draftsmith.config import (METHOD_ARCHS, METHOD_NAMES, BenchmarkConfig, ConfigError,
-                               ExportConfig, TrainConfig, load_config)
-from draftsmith.drafters import METHODS, DrafterConfig, build, method_of_export
+from draftsmith.config import BenchmarkConfig, ConfigError, ExportConfig, TrainConfig, load_config
+from draftsmith.drafters.registry import METHODS, DrafterConfig, build, method_of_export
 from draftsmith.drafters.dflash import (DFlashProposer, block_attention, context_mask, flex_mask,
                                         joined_attention, mask_token_id, sample_anchors)
 from draftsmith.drafters.layers import decode_attention
+from draftsmith.drafters.options import METHOD_ARCHS, METHOD_NAMES
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import read_info
 from draftsmith.drafters.batch import Batch
@@ -35,6 +36,31 @@ MASK = 7
 def test_the_method_table_matches_the_config():
     assert tuple(METHODS) == METHOD_NAMES
     assert {n: tuple(m.architectures) for n, m in METHODS.items()} == METHOD_ARCHS
+
+
+def test_a_method_lives_in_its_wing():
+    """Adding a method touches its module, its entry in registry.METHODS and options.py: no
+    code outside drafters/ names a method (as a string, or by its train.<method> section),
+    and none imports a method's module; the rest asks the Method."""
+    wing = REPO / "src/draftsmith/drafters"
+    methods = {m: f"drafters.{mod}" for m, mod in
+               (("eagle3", "eagle3"), ("eagle3.1", "eagle3"), ("dflash", "dflash"))}
+    assert set(methods) == set(METHODS)
+    named = []
+    for f in [*(REPO / "src/draftsmith").rglob("*.py"), *(REPO / "stages").glob("*.py")]:
+        if wing in f.parents:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Constant) and node.value in methods:
+                named.append(f"{f.relative_to(REPO)}:{node.lineno} {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in METHODS:
+                named.append(f"{f.relative_to(REPO)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module and any(
+                    node.module.endswith(mod) or any(f"{node.module}.{a.name}".endswith(mod)
+                                                     for a in node.names)
+                    for mod in methods.values()):
+                named.append(f"{f.relative_to(REPO)}:{node.lineno} imports {node.module}")
+    assert not named, named
 
 
 def dflash_drafter(layers=2, block=4, nh=4, nkv=2, seed=0):

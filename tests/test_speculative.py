@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith.benchmark import speculative
-from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.registry import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
 from draftsmith.drafters.layers import KVCache
 from draftsmith.capture import capture

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafters import DrafterConfig
+from draftsmith.drafters.registry import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.batch import Batch
 from draftsmith.train.data import pack

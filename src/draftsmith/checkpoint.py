@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from draftsmith.artifacts import read_manifest
 from draftsmith.atomic import atomic_path, write_json
-from draftsmith.drafters import METHODS, DrafterConfig, build
+from draftsmith.drafters.options import DEFAULT_METHOD
+from draftsmith.drafters.registry import METHODS, DrafterConfig, build
 from draftsmith.errors import DraftsmithError
 from draftsmith.readers import read_safetensors
 
@@ -47,7 +48,7 @@ def save_drafter(model, out_dir: Path) -> None:
 
 def read_drafter_config(drafter_dir: Path) -> DrafterConfig:
     c = read_manifest(Path(drafter_dir) / DRAFTER_CONFIG, "train")
-    if c.get("method", "eagle3") not in METHODS:
+    if c.get("method", DEFAULT_METHOD) not in METHODS:
         raise DraftsmithError(f"{drafter_dir} holds a drafter of method {c['method']!r}, which "
                               f"this version does not know ({', '.join(METHODS)})",
                               "re-run the train stage with this version")

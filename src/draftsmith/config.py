@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draftsmith.chat_format import FORMATS
+from draftsmith.drafters.options import MethodOptions, k_problem, train_problem
 from draftsmith.errors import ConfigError
 
 EMBEDDED = "embedded"
@@ -27,12 +28,6 @@ EMBEDDED_MLA = "embedded-mla"  # the same toy as a DeepSeek-V3 model (MLA + MoE)
 # rerun only the stages that use it. tests/test_engines.py holds these equal to the table.
 ENGINE_NAMES = ("vllm", "sglang")
 BENCHMARK_ENGINES = ("reference", "vllm", "sglang")
-# The drafter methods (drafters.METHODS, held equal by tests/test_methods.py) and the drafter
-# layers the engines load each with (vLLM: llama_eagle3.py and deepseek_eagle3.py take both
-# EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only).
-METHOD_NAMES = ("eagle3", "eagle3.1", "dflash")
-METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflash": ("llama",)}
-
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in params.yaml must never be silently ignored.
@@ -233,17 +228,9 @@ class HiddenConfig(_Section):
         return self
 
 
-class DFlashConfig(_Section):
-    """train.method: dflash (drafters/dflash.py)."""
-    num_layers: int = Field(1, ge=1, le=64)
-    block_size: int = Field(4, ge=2, le=64)
-    anchors: int = Field(512, ge=1)
-    gamma: float = Field(4.0, gt=0)
-    loss: Literal["ce", "soft_ce"] = "ce"
-
-
-class TrainConfig(_Section):
-    method: Literal[METHOD_NAMES] = "eagle3"
+class TrainConfig(MethodOptions):
+    """train.*: `method` and each method's own section (train.dflash) are the method wing's
+    (drafters/options.py); the rest is every method's."""
     init: str = "copy"
     drafter_arch: Literal["llama", "mla"] = "llama"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -266,26 +253,12 @@ class TrainConfig(_Section):
     save_every: int = Field(200, ge=0)
     log_every: int = Field(10, ge=1)
     parallel: Literal["ddp", "fsdp"] = "ddp"
-    dflash: DFlashConfig = DFlashConfig()
 
     @model_validator(mode="after")
-    def _servable(self):
-        if self.drafter_arch not in METHOD_ARCHS[self.method]:
-            layers = " or ".join(METHOD_ARCHS[self.method])
-            raise ValueError(
-                f"method {self.method} with drafter_arch {self.drafter_arch}: no engine serves "
-                f"that (vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
-                f"qwen3_dflash.py). Set drafter_arch: {layers}, or method: eagle3 or eagle3.1 "
-                "for an MLA drafter")
-        return self
-
-    @model_validator(mode="after")
-    def _kernel_takes_the_method(self):
-        if self.attention in ("flash", "cudnn") and self.method == "dflash":
-            raise ValueError(
-                f"train.attention: {self.attention} runs EAGLE's TTT attention (causal within "
-                "each document); DFlash's blocks over sampled anchors need flex attention's "
-                "mask. Set train.attention: auto or flex")
+    def _method_fits(self):
+        problem = train_problem(self.method, self.drafter_arch, self.attention)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -449,15 +422,9 @@ def check_static(cfg: Config) -> None:
         raise ConfigError(
             f"hidden.engine is '{cfg.hidden.engine}' but server.engine is '{cfg.server.engine}'",
             f"set server.engine: {cfg.hidden.engine} (hidden states are captured in vLLM only)")
-    if cfg.train.method == "dflash" \
-            and cfg.train.dflash.block_size != cfg.benchmark.num_speculative_tokens + 1:
-        b, k = cfg.train.dflash.block_size, cfg.benchmark.num_speculative_tokens
-        raise ConfigError(
-            f"train.dflash.block_size={b} drafts {b - 1} tokens a step (the anchor and "
-            f"{b - 1} masks, seen at once), but benchmark.num_speculative_tokens={k}: an engine "
-            "asked for another count changes every draft (vLLM never reads the block size)",
-            f"set train.dflash.block_size: {k + 1}, or benchmark.num_speculative_tokens: "
-            f"{b - 1}")
+    k_wrong = k_problem(cfg.train, cfg.benchmark.num_speculative_tokens)
+    if k_wrong:
+        raise ConfigError(*k_wrong)
     emb = cfg.target.embedded
     if cfg.target.is_embedded:
         needed = cfg.generate.max_new_tokens + 96

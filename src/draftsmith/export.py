@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 
 from draftsmith.atomic import atomic_path, write_json
 from draftsmith.checkpoint import drafter_state, load_drafter
-from draftsmith.drafters import METHODS, DrafterConfig, method_of, method_of_export
+from draftsmith.drafters.options import DEFAULT_METHOD
+from draftsmith.drafters.registry import METHODS, DrafterConfig, method_of, method_of_export
 from draftsmith.errors import DraftsmithError
 from draftsmith.readers import read_json_object, read_safetensors
 from draftsmith.serving.engines import DEFAULT, ENGINES, Engine
@@ -41,8 +42,8 @@ def speculative_args(engine: str, draft_dir: Path, k: int, more: dict | None = N
     f = Path(draft_dir) / "config.json"
     config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
     method = method_of_export(config) if isinstance(config, dict) else None
-    return e.speculative_args(draft_dir, k, (method or METHODS["eagle3"]).engine_names[e.name],
-                              more or {})
+    method = method or METHODS[DEFAULT_METHOD]
+    return e.speculative_args(draft_dir, k, method.engine_names[e.name], more or {})
 
 
 def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:
@@ -141,8 +142,8 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
         raise DraftsmithError(f"{export_dir} is not a valid {method.label} export:\n  - "
                               + "\n  - ".join(problems),
                               "re-export with `dvc repro train`, or fix the listed keys")
-    ids = c.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or \
-        c.get("dflash_config", {}).get("target_layer_ids")
+    section, key = method.aux_ids_key
+    ids = c.get(section, {}).get(key)
     return {"engine": engine.name, "method": method.name, "aux_layer_ids": ids,
             "tensors": len(t), "dtype": str(next(iter(floats)))}
 
@@ -150,8 +151,7 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
 _INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
              "vocab_size", "draft_vocab_size", "target_hidden_size", "num_key_value_heads",
              "head_dim", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_ID_LISTS = (("eagle_config", "eagle_aux_hidden_state_layer_ids"),
-             ("dflash_config", "target_layer_ids"))
+_ID_LISTS = tuple(sorted({m.aux_ids_key for m in METHODS.values()}))  # (section, key)
 
 
 def _malformed(c: dict) -> list[str]:
@@ -160,7 +160,7 @@ def _malformed(c: dict) -> list[str]:
     that are not lists of integers, an engine we do not know."""
     bad = [f"{k} is {c[k]!r}, not a positive integer" for k in _INT_KEYS
            if k in c and not (type(c[k]) is int and c[k] > 0)]
-    for section in ("eagle_config", "dflash_config", "draftsmith"):
+    for section in sorted({s for s, _ in _ID_LISTS} | {"draftsmith"}):
         if section in c and not isinstance(c[section], dict):
             bad.append(f"{section} is a {type(c[section]).__name__}, not an object")
     for section, key in _ID_LISTS:

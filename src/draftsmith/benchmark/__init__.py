@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from draftsmith.artifacts import SAMPLES_FILE
 from draftsmith.atomic import read_jsonl
 from draftsmith.config import BenchmarkConfig, ServerConfig
-from draftsmith.drafters import DrafterConfig, build, method_of
+from draftsmith.drafters.registry import DrafterConfig, build, method_of
 from draftsmith.errors import DraftsmithError
 from draftsmith.benchmark.lossless import check_greedy, check_sampled
 from draftsmith.prompts import builtin_prompts, load_prompts

@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from draftsmith.drafters.options import DEFAULT_METHOD
+
 if TYPE_CHECKING:  # annotations only (tools/code_deps.py does not count these as deps)
     import torch
     from torch import nn
@@ -36,7 +38,7 @@ class DrafterConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    method: str = "eagle3"  # train.method: which module of drafters/ builds and runs it
+    method: str = DEFAULT_METHOD  # train.method: which module of drafters/ builds and runs it
     # EAGLE-3.1 (vLLM's llama_eagle3.py / deepseek_eagle3.py flags of the same names)
     fc_norm: bool = False  # an RMSNorm per aux state before fc
     norm_output: bool = False  # the next draft step reads the final norm's output
@@ -102,8 +104,8 @@ class Objective(ABC):
 
 
 class Method(ABC):
-    """One drafter method. A new method is a module that subclasses this and an entry in
-    drafters.METHODS."""
+    """One drafter method. A new method is a module that subclasses this, an entry in
+    registry.METHODS and its name in options.py."""
 
     name: str  # train.method's value
     label: str  # for tables and messages
@@ -113,6 +115,8 @@ class Method(ABC):
     # engine name -> what that engine calls this method (vLLM's speculative_config.method,
     # SGLang's --speculative-algorithm); an engine missing here cannot serve it
     engine_names: dict[str, str]
+    # where its exported config.json lists the target layers it reads (section, key)
+    aux_ids_key: tuple[str, str]
     reference: str  # paper or engine file the implementation follows
 
     # --- the model
@@ -131,6 +135,11 @@ class Method(ABC):
         """Set the vocab maps d2t/t2d (if the drafter has a draft vocab) and, with copy
         (train.init: copy), what the drafter takes from the target (head: TargetHead) besides
         the shared tensors."""
+
+    def mask_token(self, target_dir, vocab_size: int) -> int | None:
+        """The target token a drafter of this method drafts from where it has no token yet
+        (DFlash's masked slots), from the target's tokenizer; None: it needs none."""
+        return None
 
     def import_name(self, name: str) -> str:
         """A tensor name of an existing drafter of this method (train.init: models/init) in

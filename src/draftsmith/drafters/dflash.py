@@ -280,6 +280,7 @@ class DFlash(Method):
     name, label = "dflash", "DFlash"
     architectures = {"llama": "DFlashDraftModel"}  # vLLM's qwen3_dflash.py (Qwen3 layers)
     engine_names = {"vllm": "dflash", "sglang": "DFLASH"}
+    aux_ids_key = ("dflash_config", "target_layer_ids")
     reference = "arXiv 2602.06036; vLLM qwen3_dflash.py, v1/spec_decode/dflash.py"
     CONVENTION = ("dflash_config.target_layer_ids: id i = output of target layer i (the state "
                   "entering layer i + 1; vLLM adds the one)")
@@ -293,6 +294,11 @@ class DFlash(Method):
         if not c.block_size or c.mask_token_id is None:
             raise ValueError("a DFlash drafter needs block_size and mask_token_id")
         return DFlashDrafter(c)
+
+    def mask_token(self, target_dir, vocab_size):
+        from draftsmith.target_info import load_tokenizer
+
+        return mask_token_id(load_tokenizer(target_dir), vocab_size)
 
     def init_from_target(self, model, head, d2t, t2d, copy):
         if copy:  # its states go through the target's own head: the target's final norm

@@ -323,6 +323,7 @@ class Eagle3(Method):
     # (only some SGLang versions the V3 alias); both read fc_norm and norm_output.
     architectures = {"llama": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
     engine_names = {"vllm": "eagle3", "sglang": "EAGLE3"}  # 3.1 too: its switches are keys
+    aux_ids_key = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
 
     def __init__(self, v31: bool):
         self.v31 = v31

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.config import HiddenConfig, ServerConfig, TrainConfig
+from draftsmith.drafters.registry import METHODS
 from draftsmith.hidden_format import (check_made_as_configured, fed_by_engine,
                                      read_hidden_manifest)
 from draftsmith.target_info import TargetHead, load_target_head
@@ -38,12 +39,7 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
     if hidden is not None:
         check_made_as_configured(manifest, hidden_dir, hidden.mode, hidden.engine)
     head = TargetHead(*load_target_head(target_dir))
-    mask = None
-    if cfg.method == "dflash":
-        from draftsmith.drafters.dflash import mask_token_id
-        from draftsmith.target_info import load_tokenizer
-
-        mask = mask_token_id(load_tokenizer(target_dir), head.config.vocab_size)
+    mask = METHODS[cfg.method].mask_token(target_dir, head.config.vocab_size)
     args = (cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
             tokenized_dir, load_target, mask)
     if fed_by_engine(manifest):

@@ -24,7 +24,7 @@ from draftsmith.atomic import atomic_path
 from draftsmith.checkpoint import load_drafter_weights, save_drafter
 from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
-from draftsmith.drafters import METHODS, DrafterConfig
+from draftsmith.drafters.registry import METHODS, DrafterConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.hidden_format import fed_by_engine, read_hidden_manifest
 from draftsmith.target_info import TargetHead

@@ -1,0 +1,71 @@
+"""What params.yaml says of the drafter methods: their names, the drafter layers an engine
+serves each with, each method's own `train.<method>` section, and the rules those put on the
+rest of the config. config.py builds TrainConfig over MethodOptions and calls the checks.
+
+Torch-free and importing nothing of draftsmith, so that config.py (which every stage imports)
+depends on this file alone of the method wing: editing a method's model, loss or export reruns
+only the stages that import it. A new method adds its name here, its section if it has options,
+and its rules; tests/test_methods.py holds the names equal to registry.METHODS.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+METHOD_NAMES = ("eagle3", "eagle3.1", "dflash")
+DEFAULT_METHOD = "eagle3"  # also what a drafter saved without a method is
+# The drafter layers the engines load each method with (vLLM: llama_eagle3.py and
+# deepseek_eagle3.py take EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only).
+METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflash": ("llama",)}
+
+
+class _Options(BaseModel):
+    # config.py's sections are built the same way (unknown keys and inf/nan refused); repeated
+    # here rather than imported, so that this file stays a leaf
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class DFlashConfig(_Options):
+    """train.dflash, read when train.method is dflash (drafters/dflash.py)."""
+    num_layers: int = Field(1, ge=1, le=64)
+    block_size: int = Field(4, ge=2, le=64)
+    anchors: int = Field(512, ge=1)
+    gamma: float = Field(4.0, gt=0)
+    loss: Literal["ce", "soft_ce"] = "ce"
+
+
+class MethodOptions(_Options):
+    """The method's name and each method's own section of `train`."""
+    method: Literal[METHOD_NAMES] = DEFAULT_METHOD
+    dflash: DFlashConfig = DFlashConfig()
+
+
+def train_problem(method: str, drafter_arch: str, attention: str) -> str | None:
+    """What makes train.method unusable with the rest of train.*, or None."""
+    if drafter_arch not in METHOD_ARCHS[method]:
+        layers = " or ".join(METHOD_ARCHS[method])
+        return (f"method {method} with drafter_arch {drafter_arch}: no engine serves that "
+                "(vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
+                f"qwen3_dflash.py). Set drafter_arch: {layers}, or method: eagle3 or eagle3.1 "
+                "for an MLA drafter")
+    if attention in ("flash", "cudnn") and method == "dflash":
+        return (f"train.attention: {attention} runs EAGLE's TTT attention (causal within each "
+                "document); DFlash's blocks over sampled anchors need flex attention's mask. "
+                "Set train.attention: auto or flex")
+    return None
+
+
+def k_problem(train: MethodOptions, k: int) -> tuple[str, str] | None:
+    """(problem, fix) when the method cannot draft benchmark.num_speculative_tokens = k as
+    trained, or None."""
+    if train.method == "dflash" and train.dflash.block_size != k + 1:
+        b = train.dflash.block_size
+        return (f"train.dflash.block_size={b} drafts {b - 1} tokens a step (the anchor and "
+                f"{b - 1} masks, seen at once), but benchmark.num_speculative_tokens={k}: an "
+                "engine asked for another count changes every draft (vLLM never reads the "
+                "block size)",
+                f"set train.dflash.block_size: {k + 1}, or benchmark.num_speculative_tokens: "
+                f"{b - 1}")
+    return None
