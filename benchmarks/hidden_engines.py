@@ -94,6 +94,18 @@ def _timed_stops(stops: list):
         ManagedServer.stop = stop
 
 
+def token_diff(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per token (and layer): max |x - y| / max |x| over its state (the last dim)."""
+    return (x - y).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-12)
+
+
+def layer_summary(r: torch.Tensor, tol: float) -> dict:
+    """One captured layer's token_diff over its tokens: largest, p99, how many over tol."""
+    return {"max_diff_of_scale": float(r.max()),
+            "p99_diff_of_scale": float(torch.quantile(r, 0.99)),
+            "tokens_over_tol": int((r > tol).sum()), "tokens": len(r)}
+
+
 def compare(a: Path, b: Path, tol: float) -> dict:
     """Stored values of two artifacts: manifests (shards, samples) equal, and how many values
     differ, the largest by the state's scale (its max |value|, per token and layer), overall
@@ -111,15 +123,10 @@ def compare(a: Path, b: Path, tol: float) -> dict:
         y = torch.cat([oaux.view(len(oaux), -1, ofinal.shape[-1]), ofinal[:, None]], 1).float()
         values += x.numel()
         differ += int((x != y).sum())
-        r = (x - y).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-12)  # (tokens, layers)
+        r = token_diff(x, y)  # (tokens, layers)
         for i, n in enumerate(names):
             rel[n].append(r[:, i])
-    per_layer = {}
-    for n in names:
-        r = torch.cat(rel[n])
-        per_layer[n] = {"max_diff_of_scale": float(r.max()),
-                        "p99_diff_of_scale": float(torch.quantile(r, 0.99)),
-                        "tokens_over_tol": int((r > tol).sum()), "tokens": len(r)}
+    per_layer = {n: layer_summary(torch.cat(rel[n]), tol) for n in names}
     return {"same_shards_and_samples": same_layout,
             "shards_byte_equal": [x["sha256"] for x in ma["shards"]] ==
                                  [x["sha256"] for x in mb["shards"]], "values": values,
