@@ -21,7 +21,7 @@ same pairs on a dense target (the Qwen3 toy), the control.
         --threads 1 --json benchmarks/results/mla_capture_gap_cpu.json
 
 --target, --dense-target: a target artifact (the target stage's out dir), or the name of a toy
-in tests/toys.py, built here by the target stage's code (`tiny-mla`: `target.model:
+in src/draftsmith/toy/recipes.py, built here by the target stage's code (`tiny-mla`: `target.model:
 embedded-mla`, the size the tests use; about 80 s on one core). Samples: the toy's held-out
 task chats (prompt and reference answer, rendered by the target's template as the toy trained
 on them), or --tokenized: a tokenized artifact's samples. On a GPU: --device cuda (the pairs
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -50,10 +49,9 @@ from hidden_engines import layer_summary, token_diff
 
 
 def build_toy(name: str, out: Path) -> dict:
-    """A toy of tests/toys.py (`tiny-mla`, `tiny`) built by the target stage, as the tests do;
-    -> the stage's metrics."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from toys import TOYS
+    """A toy of draftsmith/toy/recipes.py (`tiny-mla`, `tiny`) built by the target stage, as the
+    tests do; -> the stage's metrics."""
+    from draftsmith.toy.recipes import TOYS
 
     from draftsmith import target
     from draftsmith.config import EMBEDDED, EMBEDDED_MLA, EmbeddedTargetConfig, TargetConfig
@@ -248,7 +246,7 @@ def measure(target: str, args, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True,
-                    help="an MLA + MoE target artifact, or a toy of tests/toys.py (tiny-mla)")
+                    help="an MLA + MoE target artifact, or a toy of src/draftsmith/toy/recipes.py (tiny-mla)")
     ap.add_argument("--dense-target", help="the control: a dense target artifact or toy (tiny)")
     ap.add_argument("--tokenized", type=Path, help="samples from a tokenized artifact instead")
     ap.add_argument("--samples", type=int, default=400)

@@ -31,9 +31,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from draftsmith.toy.recipes import TOYS as TEST_TOYS  # the recipes the tests train: one source
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from toys import TOYS as TEST_TOYS  # noqa: E402  (the recipes the tests train: one source)
 
 
 def _default_toy() -> dict:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from checkout import copy_checkout  # noqa: E402
 
-from toys import TINY_TARGET
+from draftsmith.toy.recipes import TINY_TARGET
 
 
 @pytest.fixture(scope="session")

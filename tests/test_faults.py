@@ -402,7 +402,7 @@ def some_drafter(toy_target, tmp_path_factory) -> Path:
 
 def _stage_cmd(stage: str, toy_target: Path, inputs: dict, work: Path) -> tuple[list[str], Path]:
     """The stage's command line (as dvc.yaml runs it) and the artifact it writes."""
-    from toys import TINY_TARGET
+    from draftsmith.toy.recipes import TINY_TARGET
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["target"]["embedded"].update(TINY_TARGET, train_steps=20)

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from conftest import copy_repo, dvc
-from toys import TINY_TARGET
+from draftsmith.toy.recipes import TINY_TARGET
 
 pytestmark = pytest.mark.e2e
 

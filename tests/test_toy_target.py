@@ -8,7 +8,7 @@ import math
 from safetensors import safe_open
 
 from draftsmith.config import EmbeddedTargetConfig
-from toys import TINY_TARGET
+from draftsmith.toy.recipes import TINY_TARGET
 
 
 def test_bf16_weights_train_and_are_saved_as_bf16(tmp_path):

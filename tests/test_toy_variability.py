@@ -45,7 +45,7 @@ def test_script_runs_end_to_end_at_toy_size(tmp_path):
 
 @pytest.mark.parametrize("toy", sorted(toy_variability.TOYS))
 def test_every_toy_is_in_the_table(toy):
-    """A toy added to tests/toys.py, or a recipe changed, without the committed table rerun
+    """A toy added to src/draftsmith/toy/recipes.py, or a recipe changed, without the committed table rerun
     fails here."""
     table = json.loads((REPO / "benchmarks/results/toy_variability.json").read_text())
     assert table["recipes"][toy] == json.loads(json.dumps(toy_variability.TOYS[toy]))

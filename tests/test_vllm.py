@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, REPORT, cached_checkout, dvc
 from test_pipeline_dvc import set_params
-from toys import TINY_TARGET
+from draftsmith.toy.recipes import TINY_TARGET
 from draftsmith import benchmark, generate
 from draftsmith.atomic import read_jsonl
 from draftsmith.config import BenchmarkConfig, GenerateConfig, ServerConfig
@@ -47,7 +47,7 @@ COMMAND = f"{VLLM_PYTHON} {REPO / 'src/draftsmith/serving/vllm_cpu.py'} serve {{
 EXTRA = "--enforce-eager"
 N = 300  # generated samples
 
-# The pipeline the tests serve: the tests' Qwen3 toy (tests/toys.py) and a drafter trained on
+# The pipeline the tests serve: the tests' Qwen3 toy (src/draftsmith/toy/recipes.py) and a drafter trained on
 # 300 of its answers (tests/test_vllm_mla.py follows the same recipe with the MLA toy).
 SMALL = {
     "target": {"embedded": TINY_TARGET},

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, REPORT, cached_checkout, dvc
 from test_pipeline_dvc import set_params
-from toys import TINY_MLA_TARGET
+from draftsmith.toy.recipes import TINY_MLA_TARGET
 from test_vllm import COMMAND, EXTRA, cpu_server, held_out_greedy
 from draftsmith import benchmark
 from draftsmith.config import BenchmarkConfig

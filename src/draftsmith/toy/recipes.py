@@ -1,6 +1,8 @@
-"""The toy targets the tests train, in one place: conftest, the e2e and vLLM tests and
+"""The toy targets the tests train, in one place: conftest, the e2e and vLLM tests,
 benchmarks/toy_variability.py (which checks each one clears its thresholds on any CPU, table in
-benchmarks/results/toy_variability.md) read them from here.
+benchmarks/results/toy_variability.md) and benchmarks/mla_capture_gap.py read them from here.
+In the library rather than in tests/ so that scripts need no path into the tests; no stage
+imports it.
 
 A toy's training must end well past the steep part of its loss curve: the toy learns its chat
 template first and copying from context later, and a run that stops on the steep part lands
