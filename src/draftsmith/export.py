@@ -152,6 +152,7 @@ _INT_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hid
              "vocab_size", "draft_vocab_size", "target_hidden_size", "num_key_value_heads",
              "head_dim", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _ID_LISTS = tuple(sorted({m.aux_ids_key for m in METHODS.values()}))  # (section, key)
+_SECTIONS = tuple(sorted({s for s, _ in _ID_LISTS} | {"draftsmith"}))  # each must be an object
 
 
 def _malformed(c: dict) -> list[str]:
@@ -160,7 +161,7 @@ def _malformed(c: dict) -> list[str]:
     that are not lists of integers, an engine we do not know."""
     bad = [f"{k} is {c[k]!r}, not a positive integer" for k in _INT_KEYS
            if k in c and not (type(c[k]) is int and c[k] > 0)]
-    for section in sorted({s for s, _ in _ID_LISTS} | {"draftsmith"}):
+    for section in _SECTIONS:
         if section in c and not isinstance(c[section], dict):
             bad.append(f"{section} is a {type(c[section]).__name__}, not an object")
     for section, key in _ID_LISTS:

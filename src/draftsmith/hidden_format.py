@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.artifacts import read_manifest
+from draftsmith.errors import DraftsmithError
 
 HIDDEN_MANIFEST = "manifest.json"
 FP8 = "float8_e4m3fn"
@@ -148,8 +149,6 @@ def check_made_as_configured(manifest: dict, hidden_dir: Path, mode: str, engine
     """Training follows the hidden artifact's mode, so an artifact made before hidden.mode (or,
     online, hidden.engine) changed would train the other way without a word: refuse it. `dvc
     repro` reruns the hidden stage first; a stage run by hand may not."""
-    from draftsmith.errors import DraftsmithError
-
     made, made_engine = manifest.get("mode", "offline"), manifest.get("engine", "hf")
     if made != mode or (mode == "online" and made_engine != engine):
         raise DraftsmithError(
