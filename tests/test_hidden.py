@@ -322,7 +322,7 @@ def test_online_states_equal_the_stored_ones(model, tmp_path):
     what the offline stage stores for the same tokens."""
     from draftsmith.config import TrainConfig
     from draftsmith.train.data import HiddenStore, TokenStore, make_batch
-    from draftsmith.train.loop import open_store
+    from draftsmith.train.sources import open_source
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer, build_drafter
 
@@ -333,8 +333,13 @@ def test_online_states_equal_the_stored_ones(model, tmp_path):
     m = hidden.write_online_manifest(layers, 64, tmp_path / "on")
     assert m["bytes"] == 0 and [f.name for f in (tmp_path / "on").iterdir()] == ["manifest.json"]
     with pytest.raises(Exception, match="no tokenized data"):
-        open_store(tmp_path / "on")
-    online, offline = open_store(tmp_path / "on", tok), open_store(tmp_path / "off", tok)
+        open_source(tmp_path / "on")
+    with pytest.raises(Exception, match="target model was not given"):
+        open_source(tmp_path / "on", tok)
+    online = open_source(tmp_path / "on", tok, load_target=lambda device: model)
+    offline = open_source(tmp_path / "off", tok)
+    assert (online.mode, offline.mode) == ("online", "offline")
+    online, offline = online.store, offline.store
     assert type(online) is TokenStore and type(offline) is HiddenStore
     by_id = {s.id: i for i, s in enumerate(offline.samples)}
     rows = [[0, 1], [2, 3, 4]]
@@ -359,13 +364,14 @@ def test_both_modes_train_on_the_same_batches(model, tmp_path):
     """The training schedule follows the sample ids, not where the hidden stage stored each
     sample: offline shards (here packed longest first) and online mode give the same steps."""
     from draftsmith.train.data import eval_steps, schedule
-    from draftsmith.train.loop import open_store
+    from draftsmith.train.sources import open_source
 
     tok, _ = _tokenized(tmp_path, [7, 12, 5, 9, 3, 11, 2])
     hidden.write_hidden(HiddenConfig(row_tokens=16), model, [2, 4, 5], tok, tmp_path / "off",
                         "rev", 0)
     hidden.write_online_manifest([2, 4, 5], 64, tmp_path / "on")
-    stores = [open_store(tmp_path / "off", tok), open_store(tmp_path / "on", tok)]
+    stores = [open_source(tmp_path / "off", tok).store,
+              open_source(tmp_path / "on", tok, load_target=lambda device: model).store]
     assert [s.id for s in stores[0].samples] != [s.id for s in stores[1].samples]
 
     def steps(store, epoch):

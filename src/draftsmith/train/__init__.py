@@ -1,9 +1,10 @@
 """Train stage: the drafter of `train.method` (drafters/), from stored hidden states.
 
-data.py: packed rows read lazily from the hidden shards; loop.py: device, steps, evaluation,
-each step the method's objective (drafters/, over its fused losses); resume.py: the
-checkpoints an interrupted run resumes from; parallel.py: DDP and FSDP2 under torchrun;
-precision.py: the bf16 working copy over fp32 master weights.
+data.py: packed rows read lazily from the hidden shards; sources.py: where the states come
+from (stored, the target run here, or a serving engine: engine_feed.py); loop.py: device,
+steps, evaluation, each step the method's objective (drafters/, over its fused losses);
+resume.py: the checkpoints an interrupted run resumes from; parallel.py: DDP and FSDP2 under
+torchrun; precision.py: the bf16 working copy over fp32 master weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from draftsmith.hidden_format import (check_made_as_configured, fed_by_engine,
                                      read_hidden_manifest)
 from draftsmith.target_info import TargetHead, load_target_head
 from draftsmith.train.loop import train
+from draftsmith.train.sources import open_source
 
 
 def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
@@ -40,16 +42,17 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         check_made_as_configured(manifest, hidden_dir, hidden.mode, hidden.engine)
     head = TargetHead(*load_target_head(target_dir))
     mask = METHODS[cfg.method].mask_token(target_dir, head.config.vocab_size)
-    args = (cfg, head, hidden_dir, vocab_dir, out_dir, ckpt_dir, curve_file, plot_file,
-            tokenized_dir, load_target, mask)
+    outputs = (vocab_dir, out_dir, ckpt_dir, curve_file, plot_file, mask)
     if fed_by_engine(manifest):
-        return _train_from_engine(args, manifest, target_dir, tokenized_dir,
-                                  hidden or HiddenConfig(), server or ServerConfig(),
+        return _train_from_engine(cfg, head, outputs, manifest, target_dir, hidden_dir,
+                                  tokenized_dir, hidden or HiddenConfig(),
+                                  server or ServerConfig(),
                                   Path(work_dir or Path(out_dir).with_name("train.work")))
-    return train(*args)
+    return train(cfg, head, open_source(hidden_dir, tokenized_dir, load_target), *outputs)
 
 
-def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_dir: Path,
+def _train_from_engine(cfg: TrainConfig, head: TargetHead, outputs: tuple, manifest: dict,
+                       target_dir: Path, hidden_dir: Path, tokenized_dir: Path,
                        hidden: HiddenConfig, server: ServerConfig, work_dir: Path) -> dict:
     """Online with the engine: a capture server for the whole run, and the disk its files
     took at most beside the bound on it."""
@@ -66,14 +69,16 @@ def _train_from_engine(args: tuple, manifest: dict, target_dir: Path, tokenized_
     engine.check_capture(config.model_type, layers)
     states = engine.EngineStates(layers, config.num_hidden_layers, norm, config.rms_norm_eps)
     lengths = sample_lengths(tokenized_dir)
-    need = _trainer_need(args[0], args[1], args[3], manifest, lengths, hidden.online_ahead)
+    need = _trainer_need(cfg, head, outputs[0], manifest, lengths, hidden.online_ahead)
     with engine.served_capture(server, target_dir, work_dir, states, need=need) as client, \
             DiskPeak(work_dir / "states") as disk:
         engine.check_lengths(lengths, client.max_model_len, "the server")
         keep = (work_dir / "kept", kept_key(target_dir, tokenized_dir, manifest["aux_layers"],
                                             manifest.get("dtype"))) \
             if hidden.online_keep else None
-        metrics = train(*args, engine=client, online_ahead=hidden.online_ahead, keep=keep)
+        source = open_source(hidden_dir, tokenized_dir, engine=client,
+                             ahead=hidden.online_ahead, keep=keep)
+        metrics = train(cfg, head, source, *outputs)
     if metrics and not server.urls:  # a launched server: its files are ours to watch
         metrics.update(engine_disk_peak_bytes=disk.peak, engine_disk_bound_bytes=disk_bound(
             server.concurrency, max(lengths.values()), len(states.ids), config.hidden_size,

@@ -26,13 +26,12 @@ from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
 from draftsmith.drafters.registry import METHODS, DrafterConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.hidden_format import fed_by_engine, read_hidden_manifest
 from draftsmith.target_info import TargetHead
-from draftsmith.train.data import HiddenStore, TokenStore, eval_steps, loader, schedule
-from draftsmith.train.engine_feed import EngineFeed, EngineStore
+from draftsmith.train.data import HiddenStore, eval_steps, loader, schedule
 from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed, shard_over_world
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
 from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
+from draftsmith.train.sources import StoredStates
 
 
 @dataclass
@@ -280,21 +279,6 @@ class Trainer:
                 "positions": [int(n) for n in count]}
 
 
-def open_store(hidden_dir: Path, tokenized_dir: Path | None = None) -> HiddenStore:
-    """The hidden artifact's samples, or in online mode the tokenized ones (with the engine:
-    their states fetched from it, train/engine_feed.py). Here, not in data.py: engine_feed.py
-    builds on data.py."""
-    manifest = read_hidden_manifest(hidden_dir)
-    if manifest.get("mode") == "online":
-        if tokenized_dir is None:
-            raise DraftsmithError("the hidden artifact is online (no states stored) but no "
-                                  "tokenized data was given", "pass the tokenized artifact")
-        if fed_by_engine(manifest):
-            return EngineStore(tokenized_dir, hidden_dir)
-        return TokenStore(tokenized_dir, hidden_dir)
-    return HiddenStore(hidden_dir)
-
-
 EVAL_SEED = 1 << 40  # evaluation's draws, apart from every training step's
 
 
@@ -306,43 +290,27 @@ def step_seed(cfg: TrainConfig, step: int) -> int:
 # ----------------------------------------------------------------------------- train
 
 
-def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path, out_dir: Path,
-          ckpt_dir: Path, curve_file: Path | None = None, plot_file: Path | None = None,
-          tokenized_dir: Path | None = None, load_target=None,
-          mask_token_id: int | None = None, engine=None, online_ahead: int = 4,
-          keep: tuple[Path, str] | None = None) -> dict:
-    """load_target(device): the whole target, for online mode (the hidden artifact says which).
-    mask_token_id: the token of DFlash's masked slots (dflash.mask_token_id). engine: online
-    mode with a serving engine (serving.hidden_states.HiddenStatesClient), whose states of the
-    next `online_ahead` steps are fetched while the trainer runs (train/engine_feed.py); keep:
-    (folder, key) to also keep them there as an offline hidden artifact (EngineStore.keep_in)."""
+def train(cfg: TrainConfig, head: TargetHead, source: StoredStates, vocab_dir: Path,
+          out_dir: Path, ckpt_dir: Path, curve_file: Path | None = None,
+          plot_file: Path | None = None, mask_token_id: int | None = None) -> dict:
+    """source: where the target's states come from (train/sources.py: stored, computed here,
+    or from a serving engine). mask_token_id: the token of DFlash's masked slots
+    (dflash.mask_token_id)."""
     from draftsmith.vocab import load as load_vocab
 
     w = world()
     check_divides(cfg.batch_size, w)
     rt = Runtime.resolve(cfg, w)
     d2t, t2d = load_vocab(vocab_dir)
-    store = open_store(hidden_dir, tokenized_dir)
+    store = source.store
     store.check_fits(cfg.seq_len)
     train_ids, eval_ids = store.split(cfg.eval_samples)
     if not train_ids:
         raise DraftsmithError("no training samples", "lower train.eval_samples or add data")
-    fed = isinstance(store, EngineStore)  # online, the states from a serving engine
-    online = isinstance(store, TokenStore)
-    if fed:
-        if engine is None:
-            raise DraftsmithError("the hidden artifact is online with a serving engine, but "
-                                  "no engine was given", "pass engine (the train stage does)")
-        store.client = engine
-        if keep is not None:
-            store.keep_in(*keep)
-        store.fetch(eval_ids)  # held for the first and the last evaluation
-    elif online and load_target is None:
-        raise DraftsmithError("hidden.mode is online but the target model was not given",
-                              "pass load_target (the train stage does)")
-    target = load_target(rt.device) if online and not fed else None
+    source.start(rt.device, eval_ids)
     trainer = Trainer(cfg, rt, build_drafter(cfg, head, d2t, t2d, store.aux_layers,
-                                             mask_token_id), head, target, w, vocab=(d2t, t2d))
+                                             mask_token_id), head, source.target, w,
+                      vocab=(d2t, t2d))
     model = trainer.model
     initial = trainer.evaluate(store, eval_ids)
 
@@ -357,10 +325,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         epoch += 1
     # The same global steps whatever the world size; each process takes its share of the rows.
     steps = [split(trainer.full(rows), w) for rows in plan[start:cfg.steps]]
-    feed = EngineFeed(store, steps, cfg.seq_len, online_ahead,
-                      server_log=getattr(engine, "server_log", None)) if fed else None
-    batches = iter(feed or loader(store, steps, cfg.seq_len, device=rt.device,
-                                  workers=cfg.num_workers))
+    batches = source.batches(steps, cfg.seq_len, rt.device, cfg.num_workers)
     tokens = torch.zeros((), dtype=torch.long, device=rt.device)
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(rt.device)
@@ -371,11 +336,10 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         try:
             batch = next(batches)
         except Exception:
-            if feed is not None:
-                feed.close()
-                if step > start and w.main and not trainer.fsdp:
-                    # the engine failed: the steps trained so far are kept for the rerun
-                    save_checkpoint(Path(ckpt_dir), *trainer.state(), step, key, curve)
+            source.close()
+            if source.keeps_steps_on_failure() and step > start and w.main \
+                    and not trainer.fsdp:  # kept for the rerun
+                save_checkpoint(Path(ckpt_dir), *trainer.state(), step, key, curve)
             raise
         batch = batch.to(rt.device, non_blocking=True)
         loss, stats = trainer.step(batch, _lr(step, cfg), step_seed(cfg, step))
@@ -387,8 +351,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
             for j, (_, c, n) in enumerate(per):
                 row[f"acc_{j}"] = round(c / max(1, n), 4)
             curve.append(row)
-            rates = feed_rates(feed, t0) if feed else {}  # the engine's, and the waiting
-            bar.set_postfix(loss=row["loss"], acc0=row["acc_0"], **rates)
+            bar.set_postfix(loss=row["loss"], acc0=row["acc_0"], **source.rates(time.time() - t0))
         bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps \
                 and (w.main or trainer.fsdp):  # FSDP2 gathers from every process; DDP needs one
@@ -397,8 +360,7 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
                 save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
     bar.close()
     seconds = time.time() - t0  # float(loss) above synchronised at the last step
-    if feed is not None:
-        feed.close()
+    source.close()
     trained_tokens = int(w.sum_(tokens))
     final = trainer.evaluate(store, eval_ids)
     drafter = trainer.saved_drafter()
@@ -425,24 +387,13 @@ def train(cfg: TrainConfig, head: TargetHead, hidden_dir: Path, vocab_dir: Path,
         "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
         "device": rt.device.type, "compute_dtype": str(rt.dtype).removeprefix("torch."),
         "attention": rt.attention,
-        "hidden_mode": "online (engine)" if fed else "online" if online else "offline",
-        "processes": w.size,
+        "hidden_mode": source.mode, "processes": w.size,
+        # with an engine, the pair's rates: the engine's alone, and the trainer's waiting
+        **source.metrics(seconds),
     }
-    if feed is not None:  # the pair's rates: the engine's alone, and the trainer's waiting
-        metrics.update(engine_tokens=store.fetched, engine_tokens_per_s=feed.engine_tokens_per_s,
-                       trainer_idle_share=round(feed.idle_s / seconds, 4) if seconds else None,
-                       kept_states=str(keep[0]) if keep else None)
     if rt.device.type == "cuda":
         metrics["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
     return metrics
-
-
-def feed_rates(feed, t0: float) -> dict:
-    """The progress bar's view of the engine and the trainer: tokens a second the engine
-    delivers, and the share of the time the trainer waited for it."""
-    elapsed = max(time.time() - t0, 1e-9)
-    return {"engine_tok_s": f"{feed.engine_tokens_per_s or 0:.0f}",
-            "waiting": f"{feed.idle_s / elapsed:.0%}"}
 
 
 def _write_curve(path: Path, curve: list[dict]) -> None:
