@@ -3,9 +3,9 @@
 Run as modules from the repository root (`python -m stages.tokenize ...`), so that a script
 named like a standard-library module (tokenize) cannot shadow it.
 
-dvc.yaml runs `python`, whichever the shell finds first. `make repro` puts .venv/bin first; a
-fresh shell running `.venv/bin/dvc repro` or `dvc exp run` does not, and its `python` lacks the
-library. Then the stage moves itself into the checkout's .venv (made by `make install`) and
+dvc.yaml runs `python3`, whichever the shell finds first (a stock Debian or Ubuntu has no
+`python` at all). `make repro` puts .venv/bin first; a fresh shell running `.venv/bin/dvc repro`
+or `dvc exp run` does not, and its `python3` lacks the library. Then the stage moves itself into the checkout's .venv (made by `make install`) and
 says so, or stops naming the fix, before any work: not a raw ModuleNotFoundError from inside
 the script."""
 

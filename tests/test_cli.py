@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO
 
@@ -43,6 +44,17 @@ def _base_python():
     if has.returncode == 0:
         pytest.skip(f"{base} has draftsmith installed: no fresh-shell interpreter to try")
     return base
+
+
+def test_every_stage_command_names_an_interpreter_a_fresh_shell_has():
+    """dvc.yaml's commands run from the user's shell: `python` is missing on a stock Debian or
+    Ubuntu (python3 only), where `dvc repro` would end in `python: not found` (exit 127)."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        interpreter, *args = stage["cmd"].split()
+        assert args[:2] == ["-m", f"stages.{name}"], name
+        assert shutil.which(interpreter, path="/usr/bin:/bin"), \
+            f"{name}: {interpreter} is not on a fresh shell's PATH"
 
 
 def test_a_stage_run_by_a_python_without_the_library_moves_into_the_checkouts_venv():
