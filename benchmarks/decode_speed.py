@@ -43,8 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from gpu_serve import launched  # noqa: E402  (the server section with launch flags: one place)
-from vllm_startup import phases as startup_phases  # noqa: E402
+from _common.serving import launched, phases as startup_phases  # noqa: E402
 
 
 def shape_target(target_dir: Path, spec: str, out: Path) -> tuple[Path, dict]:

@@ -30,16 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from draftsmith.serving.engines import MEASURABLE  # noqa: E402  (the engines acceptance is read from)
-
-
-def launched(cfg, server_command: str | None, extra_args: str, speculative_config: dict = {},
-             engine: str = "vllm"):
-    """The repo's server section, launching `engine` with this command line (None: the
-    engine's own launcher)."""
-    return cfg.server.model_copy(update={
-        "engine": engine, "launch": True, "command": server_command,
-        "extra_args": extra_args,
-        "speculative_config": {**cfg.server.speculative_config, **speculative_config}})
+from _common.serving import launched  # noqa: E402
 
 
 def check(repo: Path, name: str, drafter: Path, export: Path, server_command: str | None,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from _common import run_info, save_results
+from _common.results import run_info, save_results
 from draftsmith import hidden
 from draftsmith.config import ServerConfig, load_config
 from draftsmith.hidden_format import HIDDEN_MANIFEST, iter_hidden

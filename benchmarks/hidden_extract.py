@@ -60,8 +60,9 @@ import torch
 
 from draftsmith.hidden.fused_forward import fused
 
-from _common import (HIDDEN_PRESETS as PRESETS, length_mix, make_target, matmul_ceiling,
-                     run_info, save_results, write_tokenized)
+from _common.results import matmul_ceiling, run_info, save_results
+from _common.shapes import HIDDEN_PRESETS as PRESETS, length_mix, make_target, write_tokenized
+
 
 def flops_per_token(model, lengths) -> float:
     c = model.config

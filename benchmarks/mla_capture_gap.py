@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from _common import run_info, save_results
+from _common.results import run_info, save_results
 from draftsmith.artifacts import iter_samples
 from draftsmith.capture import capture, decoder_layers, set_attention
 from draftsmith.config import HiddenConfig, check_aux_layers

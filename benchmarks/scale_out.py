@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from _common import (HIDDEN_PRESETS, TRAIN_PRESETS, length_mix, make_batch, make_drafter,
-                     make_target, run_info, save_results, write_tokenized)
+from _common.results import run_info, save_results
+from _common.shapes import (HIDDEN_PRESETS, TRAIN_PRESETS, length_mix, make_batch, make_drafter,
+                            make_target, write_tokenized)
 
 PRESETS = {
     "8b": dict(train=dict(TRAIN_PRESETS["8b"], T=2048, rows=8, iters=8),

@@ -55,8 +55,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _common import (TRAIN_PRESETS as PRESETS, make_batch, make_drafter, matmul_ceiling,
-                     run_info, save_results, train_config)
+from _common.results import matmul_ceiling, run_info, save_results
+from _common.shapes import TRAIN_PRESETS as PRESETS, make_batch, make_drafter, train_config
+
 
 def naive_loss(m, batch, steps):
     """No TTT attention: each step is an ordinary causal layer over its own keys."""

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _common import matmul_ceiling, run_info, save_results
+from _common.results import matmul_ceiling, run_info, save_results
+
 
 PRESETS = {
     "8b": dict(hq=32, hkv=8, d=128, rows={"32x512": [512] * 32, "16x1k": [1024] * 16,

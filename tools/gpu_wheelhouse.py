@@ -142,7 +142,7 @@ with open("site.tar.zst", "rb") as f, tarfile.open(
 PY
 rm -f site.tar.zst
 PYTHONPATH={site} python3 -c "import {module}; print('{name} ready in {site}')"
-touch {site}/.ready  # what benchmarks/h200_pipeline.sh waits for
+touch {site}/.ready  # what benchmarks/gpu/pipeline.sh waits for
 """
 
 

@@ -3,7 +3,7 @@
 # process of its own, results to RESULTS as they come, RESULTS/DONE when all have finished
 # (each part's exit status in RESULTS/rc.txt). Run detached and poll (device calls end at
 # 600 s):
-#   setsid nohup bash benchmarks/h200_train.sh RESULTS [WHEELS] > /tmp/train.log 2>&1 &
+#   setsid nohup bash benchmarks/gpu/train.sh RESULTS [WHEELS] > /tmp/train.log 2>&1 &
 # WHEELS: a folder of wheels the image lacks (pydantic ...), installed to /tmp/pyd.
 # PARTS (default all, in this order):
 #   cold     the first step of each drafter layer at the Kimi shape, T = 8,192, flex, with an
@@ -13,7 +13,7 @@
 #   numerics the GPU tests: bf16 fast path vs the fp64 reference, every attention and layer
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
 # A dry run on a CPU (what it runs, at toy size; the GPU tests skip):
-#   KIMI=toy B8=toy SHORT=64 LONG=128 ATTENTIONS=auto bash benchmarks/h200_train.sh /tmp/r
+#   KIMI=toy B8=toy SHORT=64 LONG=128 ATTENTIONS=auto bash benchmarks/gpu/train.sh /tmp/r
 set -uo pipefail
 KIMI=${KIMI:-kimi-k2} B8=${B8:-8b} SHORT=${SHORT:-8192} LONG=${LONG:-16384}
 ATTENTIONS=${ATTENTIONS:-flex flash cudnn}

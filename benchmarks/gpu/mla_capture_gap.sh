@@ -5,7 +5,7 @@
 # host's CPU (target.embedded.device: cpu, its default; fp32), then transformers' bf16 against
 # fp32 and eager against SDPA on the GPU, routing recorded and pinned. Needs no vLLM; WHEELS:
 # pydantic's wheels. Results in benchmarks/results/mla_capture_gap_h100*.json.
-#   bash benchmarks/mla_capture_gap_gpu.sh RESULTS [WHEELS]
+#   bash benchmarks/gpu/mla_capture_gap.sh RESULTS [WHEELS]
 set -uo pipefail
 R=${1:?results folder} WHEELS=${2:-}
 mkdir -p "$R"

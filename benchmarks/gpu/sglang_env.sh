@@ -1,4 +1,4 @@
-# Sourced by the H200 scripts (h200_check.sh, h200_pipeline.sh): SGLang as they run it, in one
+# Sourced by the H200 scripts (check.sh, pipeline.sh): SGLang as they run it, in one
 # place. SGLang runs from its own folder, SGLANG_SITE (tools/gpu_wheelhouse.py's install.sh
 # unpacks it there): it pins transformers 5.12.1, the pipeline runs on the image's.
 SGL="env PYTHONPATH=${SGLANG_SITE:-/tmp/sglang-site} PYTHONUNBUFFERED=1 python3 -m \

@@ -10,7 +10,7 @@
 # drafter's serving, the capture of both toys, the GPU tests. Each writes its JSON as it goes,
 # so a run cut short keeps what finished. Usage, with vLLM importable (PYTHONPATH), results
 # to $OUT, PARTS any of "serve capture tests sampling alone sglang" (default the first three):
-#   bash benchmarks/h200_check.sh RUN [PARTS]
+#   bash benchmarks/gpu/check.sh RUN [PARTS]
 # sglang: the same drafters served by SGLang (unpacked by tools/gpu_wheelhouse.py into
 # $SGLANG_SITE, default /tmp/sglang-site; it runs from there alone, its transformers pin apart
 # from the pipeline's), the MLA target alone in it, and the generate stage through it.
@@ -49,7 +49,7 @@ if [[ $PARTS == *alone* ]]; then  # the bf16 MLA target alone in vLLM, greedy, a
     serve mla-eagle3+alone "$RUN/mla" models/drafter models/export --temperatures 0 --alone &
 fi
 if [[ $PARTS == *sglang* ]]; then  # one SGLang server at a time (each sizes its memory at start)
-    source benchmarks/sglang_env.sh
+    source benchmarks/gpu/sglang_env.sh
     SGLMEM="--mem-fraction-static 0.12 $SGL_SAMPLER"  # a fixed share of the GPU
     sgl() {  # sgl NAME REPO DRAFTER EXPORT EXTRA [FLAGS...]
         local name=$1 repo=$2 drafter=$3 export=$4 extra=$5; shift 5

@@ -5,9 +5,9 @@
 # (benchmarks/run_stages.py: the image has no DVC), then decode speed with and without the
 # drafter (k = 3 and 5) at 1 and 32 requests in flight, beside a tiny random-weight target whose
 # step is the engine's own time (benchmarks/decode_speed.py). Results go to RESULTS as they
-# come. PRESETS=benchmarks/h200_speedup.yaml leaves vLLM out of the benchmark stage (the speed-up
+# come. PRESETS=benchmarks/gpu/speedup.yaml leaves vLLM out of the benchmark stage (the speed-up
 # run measures it) and fits one 30-minute device session on an H100 or H200.
-#   bash benchmarks/h200_pipeline.sh WORK RESULTS [WHEELS]
+#   bash benchmarks/gpu/pipeline.sh WORK RESULTS [WHEELS]
 # WHEELS: a folder of wheels the image lacks (pydantic, matplotlib), installed to /tmp/pyd.
 # vLLM comes later (the wheelhouse's install.sh unpacks it into /tmp/site while the target
 # trains): the serving stages wait for /tmp/site/.ready. With SGLANG_SITE set (where
@@ -64,14 +64,14 @@ done
 # per step: the floor the target's forward share is measured against); at least the 60
 # held-out prompts per measurement, so vLLM's acceptance at c=1 is over the reference's prompts
 python benchmarks/decode_speed.py --repo . --export models/export/vllm --k ${DECODE_K:-3 5} \
-    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES:-128:8} \
+    --concurrency ${DECODE_CONCURRENCY:-1 32} --shapes ${DECODE_SHAPES-128:8} \
     --min-requests ${DECODE_MIN_REQUESTS:-60} --repeats ${DECODE_REPEATS:-3} --logs "$R/server_logs" \
     --plot "$R/decode_speed.png" \
     --extra-args="${DECODE_EXTRA_ARGS:---gpu-memory-utilization 0.2 --kv-cache-memory-bytes 4294967296}" \
     --out "$R/decode_speed.json" > "$R/decode_speed.log" 2>&1
 echo "decode_speed rc=$?" >> "$R/rc.txt"
 if [[ -n ${SGLANG_SITE:-} ]] && wait_for "$SGLANG_SITE/.ready" SGLang; then
-    source benchmarks/sglang_env.sh
+    source benchmarks/gpu/sglang_env.sh
     SGLARGS=${SGLANG_EXTRA_ARGS:---mem-fraction-static 0.3 $SGL_SAMPLER}
     method=$(python -c "import yaml; print(yaml.safe_load(open('params.yaml'))['train']['method'])")
     python benchmarks/gpu_serve.py --engine sglang --repo . --server-command "$SGL" \

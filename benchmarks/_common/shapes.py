@@ -1,53 +1,15 @@
-"""What the benchmark scripts share: each result file's header (`run_info`, `save_results`),
-the GPU's matmul ceiling (for MFU), and the 8B-shaped cases that scale_out.py runs again under
-torchrun: train_ttt.py's drafter and batch, hidden_extract.py's target, length mix and tokenized
-artifact. The scripts run as `python benchmarks/<script>.py`, so this folder is on sys.path.
-"""
+"""The cases the training and extraction benchmarks run, at model shapes (8B, Kimi-K2.5,
+Qwen3-8B) and at toy size for the CPU: drafters and batches for train_ttt.py, targets, length
+mixes and tokenized artifacts for hidden_extract.py; scale_out.py runs both again under
+torchrun."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import sys
-import time
 from pathlib import Path
 
 import torch
-
-# ----------------------------------------------------------------------------- results
-
-
-def run_info(device, ceiling) -> dict:
-    """What every benchmark result file starts with: the command, the machine, the ceiling."""
-    return {"command": "python " + " ".join(sys.argv),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None}
-
-
-def save_results(path: Path | None, out: dict) -> None:
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
-
-
-def matmul_ceiling(device):
-    if device.type != "cuda":
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
-
-
-# ----------------------------------------------------------------------------- drafter training
 
 
 TRAIN_PRESETS = {
@@ -119,9 +81,6 @@ def make_batch(p, T, rows, device):
                  ids=torch.randint(0, p["V"], (rows, T), generator=g),
                  loss_mask=torch.ones(rows, T, dtype=torch.bool), doc=doc,
                  pos=torch.arange(T).expand(rows, T).contiguous()).to(device)
-
-
-# ----------------------------------------------------------------------------- hidden extraction
 
 
 HIDDEN_PRESETS = {

@@ -1,0 +1,40 @@
+"""Each benchmark result file's header, where it is written, and the GPU's bf16 matmul ceiling
+(the denominator of every MFU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def run_info(device, ceiling) -> dict:
+    """What every benchmark result file starts with: the command, the machine, the ceiling."""
+    return {"command": "python " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "matmul_tflops": round(ceiling / 1e12, 1) if ceiling else None}
+
+
+def save_results(path: Path | None, out: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def matmul_ceiling(device):
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
