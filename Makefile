@@ -35,8 +35,12 @@ $(VLLM_VENV)/.installed:
 repro: install
 	$(BIN)/dvc repro
 
+# Two workers (pytest-xdist): the vLLM tests, one after another, on one (they are two thirds of
+# the suite, and a vLLM server on a CPU keeps one core busy); the other test files on the other
+# (tests/conftest.py: pytest_xdist_make_scheduler).
+TEST_WORKERS ?= 2
 test: install vllm
-	DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest
+	DRAFTSMITH_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Unit tests only (no DVC pipeline runs, no vLLM server, no torchrun): a few minutes, for the edit loop.
 test-fast: install

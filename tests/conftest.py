@@ -11,6 +11,26 @@ os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFL
                   DVC_NO_ANALYTICS="1", TOKENIZERS_PARALLELISM="false")
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Under xdist each worker gets its share of the cores for torch and for the stages, servers and
+# torchrun processes its tests start (two workers that each spin 2 OpenMP threads on a 2-core
+# machine trained the toy 5x slower than one alone: 78 s against 15 s); once a worker has
+# finished, the ones left share its cores too (threads_for_the_workers_left). An
+# OMP_NUM_THREADS of the user's own is kept.
+USER_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def share_the_cores(workers_running: int) -> None:
+    if USER_THREADS or not os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        return
+    threads = max(1, (os.cpu_count() or 1) // max(1, workers_running))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+share_the_cores(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))
+
 sys.path.insert(0, str(REPO / "tools"))
 
 from checkout import copy_checkout  # noqa: E402
@@ -109,6 +129,15 @@ FAULTS: list[dict] = []
 BAD_INPUTS: list[dict] = []
 
 
+@pytest.fixture(autouse=True)
+def threads_for_the_workers_left(tmp_path_factory):
+    """Before each test under xdist: the cores divided among the workers still running (each
+    finished worker leaves a file beside the workers' temp folders)."""
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        finished = len(list(tmp_path_factory.getbasetemp().parent.glob("finished-gw*")))
+        share_the_cores(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]) - finished)
+
+
 @pytest.fixture
 def fault_row(request):
     """fault_row(fault, behaviour, samples_lost=0, artifacts_corrupted=0): one row of the fault
@@ -128,21 +157,79 @@ def pytest_runtest_makereport(item, call):
         item.fault_failed = True
 
 
+# Tests of each suite marker collected. Under xdist (`make test` runs two workers) the
+# controller collects nothing itself: the workers send their counts and rows (merge_worker).
+MARKED: dict[str, int] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vLLM tests live in files named *vllm*, which `make test`'s scheduler (below) keeps
+    together; under xdist they are collected first, so that their unit starts first."""
+    for item in items:
+        if item.get_closest_marker("vllm") and "vllm" not in item.path.name:
+            raise pytest.UsageError(f"{item.nodeid}: a vLLM test outside a file named *vllm*: "
+                                    "make test would run it beside another vLLM server")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: "vllm" not in item.path.name)  # stable: in file order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` (xdist, two workers): each test file is one unit of work (its module
+    fixtures built once, its tests in their order), and the vLLM files are one unit together,
+    run first on one worker while the other takes the remaining files: the vLLM tests build
+    their toys through one DVC run cache, and assert that no vLLM server is left running, so
+    two at once would race; on a 2-core machine one vLLM server keeps one core busy."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "vllm" if "vllm" in Path(file).name else file
+
+    config.option.loadscopereorder = False  # the collection's order: the vLLM unit first
+    return VllmTogether(config, log)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """The table is rewritten only by runs of the whole suite (`-m faults` included), never by
+    """The tables are rewritten only by runs of the whole suite (`-m faults` included), never by
     a run of chosen files, which would leave out the others' rows."""
-    faults = [i for i in session.items if i.get_closest_marker("faults")]
+    from draftsmith.serving.server import ManagedServer
+
+    marked = {m: sum(1 for i in session.items if i.get_closest_marker(m))
+              for m in ("faults", "bad_inputs")}
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes them
+        factory = session.config._tmp_path_factory  # noqa: SLF001  (no fixture at session end)
+        (factory.getbasetemp().parent / f"finished-{os.environ['PYTEST_XDIST_WORKER']}").touch()
+        session.config.workeroutput["draftsmith"] = json.dumps(
+            {"report": REPORT, "faults": FAULTS, "bad_inputs": BAD_INPUTS, "marked": marked,
+             "startups": ManagedServer.startups})
+        return
+    marked = {m: n or MARKED.get(m, 0) for m, n in marked.items()}
     chosen = any(Path(a.split("::")[0]).exists() for a in session.config.invocation_params.args)
-    if faults and not chosen and exitstatus == 0 and len(FAULTS) >= len(faults):
+    if marked["faults"] and not chosen and exitstatus == 0 and len(FAULTS) >= marked["faults"]:
         rows = sorted(FAULTS, key=lambda r: r["fault"])
         (REPO / "metrics" / "faults.json").write_text(json.dumps(
             {"faults": len(rows), "samples_lost": sum(r["samples_lost"] for r in rows),
              "artifacts_corrupted": sum(r["artifacts_corrupted"] for r in rows),
              "table": rows}, indent=2) + "\n")
-    bad = [i for i in session.items if i.get_closest_marker("bad_inputs")]
-    if bad and BAD_INPUTS and not chosen and exitstatus == 0:  # not for --collect-only
+    if marked["bad_inputs"] and BAD_INPUTS and not chosen and exitstatus == 0:  # not for --collect-only
         (REPO / "metrics" / "bad_inputs.json").write_text(json.dumps(
             bad_input_figures(), indent=2) + "\n")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: what a finished worker measured, added to this process's lists."""
+    from draftsmith.serving.server import ManagedServer
+
+    sent = json.loads(getattr(node, "workeroutput", {}).get("draftsmith", "{}"))
+    REPORT.extend(sent.get("report", []))
+    FAULTS.extend(sent.get("faults", []))
+    BAD_INPUTS.extend(sent.get("bad_inputs", []))
+    ManagedServer.startups.extend(sent.get("startups", []))
+    for m, n in sent.get("marked", {}).items():
+        MARKED[m] = max(MARKED.get(m, 0), n)
 
 
 def bad_input_figures() -> dict:
