@@ -259,7 +259,7 @@ def _mix(text: str) -> dict:
             f"--mix {text!r}: want MEDIAN,SIGMA,CAP,SAMPLES,SEED, e.g. 2000,1.0,16384,160,0")
 
 
-def main(argv=None):
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -279,7 +279,11 @@ def main(argv=None):
     ap.add_argument("--batch-rows", type=int, help="hidden.batch_rows of the packed runs")
     ap.add_argument("--profile", type=Path, help="also profile each kind once (a GPU): "
                     "operator tables here, GPU busy time and kernel groups in the results")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def preset(args) -> dict:
+    """The preset with the command line's overrides."""
     p = dict(PRESETS[args.preset])
     if args.shard_mb:
         p["shard_mb"] = args.shard_mb
@@ -288,6 +292,88 @@ def main(argv=None):
     for key in ("samples", "row_tokens", "batch_rows"):
         if getattr(args, key):
             p[key] = getattr(args, key)
+    return p
+
+
+def kinds(model, p, seqs, lengths, tok: Path, tmp: Path) -> dict:
+    """Each kind's run: -> (tokens or None, the packed run's figures or None)."""
+    return {
+        "padded_hf": lambda: (padded_hf(model, seqs, p["layers"]), None),
+        "before": lambda: (before(model, seqs, p["layers"]), None),
+        "packed": lambda: (None, packed(model, p, tok, "bfloat16", "auto", tmp)),
+        "packed_fp8": lambda: (None, packed(model, p, tok, "float8_e4m3fn", "auto", tmp)),
+        "packed_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "sdpa", tmp)),
+        "packed_flex": lambda: (None, packed(model, p, tok, "bfloat16", "flex_attention", tmp)),
+        "packed_varlen_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
+                                                    tmp, kernel="sdpa")),
+        "packed_flash": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
+                                              tmp, kernel="flash")),
+        "packed_varlen_api": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
+                                                   tmp, kernel="varlen")),
+        "writes": lambda: (None, {"bytes": writes(p, lengths, model.config.hidden_size,
+                                                  tmp)}),
+        "packed_flex_nowrite": lambda: (None, packed(model, p, tok, "bfloat16",
+                                                     "flex_attention", tmp, "none")),
+        # diagnostics, on request: the extraction without writing, and the earlier writer
+        "packed_nowrite": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
+                                                tmp, "none")),
+        "packed_save_file": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
+                                                  tmp, "save_file")),
+    }
+
+
+def timed(fn, sync, repeats: int, device) -> tuple:
+    """fn warmed up once, then timed over `repeats` runs (written shards removed after each):
+    -> (its last output, mean seconds, when the last run ended, seconds its removal took)."""
+    fn()  # warm-up: compile, autotune, allocator, pinned pool
+    sync()
+    remove_written()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        end = time.perf_counter()
+        seconds += end - t0
+        remove_written()
+        removed = time.perf_counter() - end
+    return out, seconds / repeats, end, removed
+
+
+def result(kind, out, seconds, end, removed, lengths, model, ceiling, device) -> dict:
+    """One kind's figures: tokens per second, MFU, and for packed runs the stage's split into
+    extraction and the drain of its last writes."""
+    mix = out[1] if kind.startswith("equal") else lengths
+    n = out[0] if kind.startswith("equal") else sum(lengths)
+    r = {"kind": kind, "status": "ok", "tokens": n, "tokens_per_s": round(n / seconds, 1)}
+    if kind.startswith("packed"):
+        r["bytes_per_token"] = out[1]["bytes_per_token"]
+        # the stage's time split: until its last shard's states were in host memory
+        # (extraction, with the earlier shards' writes running beside it), then the
+        # wait for the last writes (drain: a one-off per stage run, whatever its size)
+        drain = end - out[1]["gpu_done_at"]
+        extraction = seconds - drain
+        r["drain_s"] = round(drain, 3)
+        r["extraction_tokens_per_s"] = round(n / extraction, 1)
+        if ceiling:
+            r["extraction_mfu"] = round(r["extraction_tokens_per_s"]
+                                        * flops_per_token(model, mix) / ceiling, 3)
+    if kind.startswith("packed") or kind == "writes":
+        r["removed_s"] = round(removed, 3)
+    if kind == "writes":
+        r["gb_per_s"] = round(out[1]["bytes"] / seconds / 1e9, 2)
+    elif ceiling:
+        r["mfu"] = round(r["tokens_per_s"] * flops_per_token(model, mix) / ceiling, 3)
+    if device.type == "cuda":
+        r["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    return r
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    p = preset(args)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ceiling = matmul_ceiling(device)
@@ -298,81 +384,21 @@ def main(argv=None):
     results = []
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         tok = write_tokenized(Path(tmp) / "tok", seqs)
-        runs = {
-            "padded_hf": lambda: (padded_hf(model, seqs, p["layers"]), None),
-            "before": lambda: (before(model, seqs, p["layers"]), None),
-            "packed": lambda: (None, packed(model, p, tok, "bfloat16", "auto", Path(tmp))),
-            "packed_fp8": lambda: (None, packed(model, p, tok, "float8_e4m3fn", "auto",
-                                                Path(tmp))),
-            "packed_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "sdpa", Path(tmp))),
-            "packed_flex": lambda: (None, packed(model, p, tok, "bfloat16", "flex_attention",
-                                                 Path(tmp))),
-            "packed_varlen_sdpa": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
-                                                        Path(tmp), kernel="sdpa")),
-            "packed_flash": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
-                                                  Path(tmp), kernel="flash")),
-            "packed_varlen_api": lambda: (None, packed(model, p, tok, "bfloat16", "varlen",
-                                                       Path(tmp), kernel="varlen")),
-            "writes": lambda: (None, {"bytes": writes(p, lengths, model.config.hidden_size,
-                                                      Path(tmp))}),
-            "packed_flex_nowrite": lambda: (None, packed(model, p, tok, "bfloat16",
-                                                         "flex_attention", Path(tmp), "none")),
-            # diagnostics, on request: the extraction without writing, and the earlier writer
-            "packed_nowrite": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
-                                                    Path(tmp), "none")),
-            "packed_save_file": lambda: (None, packed(model, p, tok, "bfloat16", "auto",
-                                                      Path(tmp), "save_file")),
-        }
+        runs = kinds(model, p, seqs, lengths, tok, Path(tmp))
         for kind in args.kinds:
             if kind.startswith("equal"):
                 fn = functools.partial(equal, model, p, fuse=kind == "equal")
             else:
                 fn = runs[kind]
             try:
-                fn()  # warm-up: compile, autotune, allocator, pinned pool
-                sync()
-                remove_written()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                seconds = 0.0
-                for _ in range(p["repeats"]):
-                    t0 = time.perf_counter()
-                    out = fn()
-                    sync()
-                    end = time.perf_counter()
-                    seconds += end - t0
-                    remove_written()
-                    removed = time.perf_counter() - end
+                out, seconds, end, removed = timed(fn, sync, p["repeats"], device)
             except Exception as e:  # one failing kind must not lose the others' figures
                 remove_written()
                 r = {"kind": kind, "status": f"{type(e).__name__}: {str(e)[:300]}"}
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 continue
-            seconds /= p["repeats"]
-            mix = out[1] if kind.startswith("equal") else lengths
-            n = out[0] if kind.startswith("equal") else sum(lengths)
-            r = {"kind": kind, "status": "ok", "tokens": n, "tokens_per_s": round(n / seconds, 1)}
-            if kind.startswith("packed"):
-                r["bytes_per_token"] = out[1]["bytes_per_token"]
-                # the stage's time split: until its last shard's states were in host memory
-                # (extraction, with the earlier shards' writes running beside it), then the
-                # wait for the last writes (drain: a one-off per stage run, whatever its size)
-                drain = end - out[1]["gpu_done_at"]
-                extraction = seconds - drain
-                r["drain_s"] = round(drain, 3)
-                r["extraction_tokens_per_s"] = round(n / extraction, 1)
-                if ceiling:
-                    r["extraction_mfu"] = round(r["extraction_tokens_per_s"]
-                                                * flops_per_token(model, mix) / ceiling, 3)
-            if kind.startswith("packed") or kind == "writes":
-                r["removed_s"] = round(removed, 3)
-            if kind == "writes":
-                r["gb_per_s"] = round(out[1]["bytes"] / seconds / 1e9, 2)
-            elif ceiling:
-                r["mfu"] = round(r["tokens_per_s"] * flops_per_token(model, mix) / ceiling, 3)
-            if device.type == "cuda":
-                r["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            r = result(kind, out, seconds, end, removed, lengths, model, ceiling, device)
             if args.profile and device.type == "cuda":
                 r["breakdown"] = time_breakdown(fn, sync, args.profile / f"profile_{kind}.txt")
                 remove_written()
