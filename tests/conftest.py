@@ -158,19 +158,25 @@ def pytest_runtest_makereport(item, call):
 
 
 # Tests of each suite marker collected. Under xdist (`make test` runs two workers) the
-# controller collects nothing itself: the workers send their counts and rows (merge_worker).
+# controller collects nothing itself: the workers send their counts and rows
+# (pytest_testnodedown).
 MARKED: dict[str, int] = {}
+
+
+def in_the_vllm_unit(file) -> bool:
+    """The vLLM tests' files (named *vllm*): one unit of `make test`'s scheduler."""
+    return "vllm" in Path(file).name
 
 
 def pytest_collection_modifyitems(config, items):
     """The vLLM tests live in files named *vllm*, which `make test`'s scheduler (below) keeps
     together; under xdist they are collected first, so that their unit starts first."""
     for item in items:
-        if item.get_closest_marker("vllm") and "vllm" not in item.path.name:
+        if item.get_closest_marker("vllm") and not in_the_vllm_unit(item.path):
             raise pytest.UsageError(f"{item.nodeid}: a vLLM test outside a file named *vllm*: "
                                     "make test would run it beside another vLLM server")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: "vllm" not in item.path.name)  # stable: in file order
+        items.sort(key=lambda item: not in_the_vllm_unit(item.path))  # stable: file order
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -185,7 +191,7 @@ def pytest_xdist_make_scheduler(config, log):
     class VllmTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            return "vllm" if "vllm" in Path(file).name else file
+            return "vllm" if in_the_vllm_unit(file) else file
 
     config.option.loadscopereorder = False  # the collection's order: the vLLM unit first
     return VllmTogether(config, log)
@@ -213,7 +219,8 @@ def pytest_sessionfinish(session, exitstatus):
             {"faults": len(rows), "samples_lost": sum(r["samples_lost"] for r in rows),
              "artifacts_corrupted": sum(r["artifacts_corrupted"] for r in rows),
              "table": rows}, indent=2) + "\n")
-    if marked["bad_inputs"] and BAD_INPUTS and not chosen and exitstatus == 0:  # not for --collect-only
+    # BAD_INPUTS empty: a --collect-only run
+    if marked["bad_inputs"] and BAD_INPUTS and not chosen and exitstatus == 0:
         (REPO / "metrics" / "bad_inputs.json").write_text(json.dumps(
             bad_input_figures(), indent=2) + "\n")
 
