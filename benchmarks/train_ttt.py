@@ -13,8 +13,9 @@ draft vocab 32,000, 7 TTT steps, random weights (speed does not depend on the va
 `kimi-k2`: Kimi-K2.5's text model (H 7168, vocab 163,840, MLP 18,432), the drafter layer as
 the train stage builds it for that target, `--archs llama` (64 heads of 64) and/or `mla` (its
 MLA: 64 heads, q latent 1,536, kv latent 512, q/k heads 128 + 64 rope, values 128). Each row
-is one document of T tokens (full causal attention: no help from packing's block sparsity), and
-a step holds max(T, 8192) tokens, as the naive baseline's 4 x 2048.
+is one document of T tokens (full causal attention: no help from packing's block sparsity), or
+with `--docs N` N documents end to end, as the train stage packs them; a step holds
+max(T, 8192) tokens, as the naive baseline's 4 x 2048.
 
 - reference: `ttt_loss_reference` + the dense TTT attention (T x T scores) + full-vocab logits:
   the algorithm the train stage ran before the fast path.
@@ -31,7 +32,10 @@ All others: bf16 autocast, fp32 master weights, AdamW, gradient clipping.
 `first_step_s`: a case's first step, compiling included (`graphs_compiled`: dynamo's new
 graphs). Only a process's first case compiles cold (later ones reuse its caches, and
 TORCHINDUCTOR_CACHE_DIR's from earlier runs: point it at an empty folder for a cold figure);
-the soft-CE kernel's build (nvcc, on first use) is timed apart, `soft_ce_build_s`.
+the soft-CE kernel's build (nvcc, on first use) is timed apart, `soft_ce_build_s`, unless
+`--first-step-builds` leaves it to the first step as the train stage does (started in the
+background when the trainer is made: with an empty DRAFTSMITH_KERNEL_CACHE, what a user's first
+run on a machine pays).
 
 `--methods` (fast path only): EAGLE-3 and EAGLE-3.1 (the same TTT, 3.1's norms added), and
 DFlash as the preset's `dflash` entry has it (qwen3-8b: 5 layers, blocks of 16, 512 anchors a
@@ -77,17 +81,17 @@ def naive_loss(m, batch, steps):
 
 
 def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str = "llama",
-             method: str = "eagle3", attention: str = "auto"):
+             method: str = "eagle3", attention: str = "auto", docs: int = 1):
     from draftsmith.target_info import TargetHead
     from draftsmith.train.loop import Runtime, Trainer
     from draftsmith.drafters.losses import ttt_loss_reference
 
     rows = max(1, p["tokens_per_step"] // T)
     m = make_drafter(p, device, arch, method)
-    flops = flops_per_token(m, p, T)
+    flops = flops_per_token(m, p, T // docs)  # attention: within each document
     if kind == "naive_bf16":
         m = m.to(torch.bfloat16)
-    batch = make_batch(p, T, rows, device)
+    batch = make_batch(p, T, rows, device, docs)
     head = torch.randn(p["V"], p["H"], device=device, dtype=torch.bfloat16)
     cfg = train_config(p, arch, method, seq_len=T, batch_size=rows, attention=attention)
     rt = Runtime.resolve(cfg.model_copy(update={"device": device.type}))
@@ -118,7 +122,7 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         opt.step()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    case = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows,
+    case = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows, "docs": docs,
             "attention": rt.attention if trainer else "dense" if kind == "reference" else "sdpa"}
     graphs = _graphs()
     try:
@@ -257,7 +261,15 @@ def main(argv=None):
                     help="drafter methods side by side (other than eagle3: the fast kind only)")
     ap.add_argument("--attentions", nargs="*", default=["auto"],
                     choices=["auto", "flex", "flash", "cudnn", "reference"],
-                    help="train.attention of the fast kind, side by side (auto: flex on a GPU)")
+                    help="train.attention of the fast kind, side by side (auto: as the train "
+                         "stage picks)")
+    ap.add_argument("--docs", type=int, default=1,
+                    help="documents per row, of T / docs tokens each: packed rows as the train "
+                         "stage feeds them (the step-0 attention kept within each)")
+    ap.add_argument("--first-step-builds", action="store_true",
+                    help="leave the soft-CE kernel's build to the fast kind's first step, as in "
+                         "the train stage (in the background beside its compile), instead of "
+                         "timing it apart")
     ap.add_argument("--iters", type=int)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--profile", type=Path, help="also write each case's operator profile here")
@@ -265,7 +277,7 @@ def main(argv=None):
     p = dict(PRESETS[args.preset])
     device = torch.device(args.device)
     ceiling = matmul_ceiling(device)
-    build_s = kernel_build_seconds(device)
+    build_s = "in the first step" if args.first_step_builds else kernel_build_seconds(device)
     results = []
     cases = [(m, a, k, t) for m in args.methods for a in args.archs for k in args.kinds
              for t in (args.attentions if k == "fast" else ["auto"])
@@ -275,7 +287,7 @@ def main(argv=None):
             if method == "dflash" and (arch != "llama" or attention in ("flash", "cudnn")):
                 continue  # no engine serves it (drafters/options.py: METHOD_ARCHS); flex only (train_problem there)
             r = run_case(kind, p, T, device, args.iters or p["iters"], args.profile, arch,
-                         method, attention)
+                         method, attention, args.docs)
             if r["status"] == "ok" and ceiling:
                 r["mfu"] = round(r["tokens_per_s"] * r["flops_per_token"] / ceiling, 3)
             results.append(r)

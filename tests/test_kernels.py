@@ -4,6 +4,7 @@ benchmark script, and (on a GPU) the CUDA kernel against the reference."""
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,37 @@ def test_mode_is_validated(monkeypatch):
         K.status()
     K.use("ref")  # the override wins over the environment
     assert K.status().startswith("reference (forced")
+
+
+def test_a_built_kernel_is_kept_by_its_source_torch_and_archs(tmp_path, monkeypatch):
+    """A changed source or another torch must build anew, never load a binary built against
+    another ABI; the same build finds its folder again (a second run loads, not nvcc)."""
+    from draftsmith_kernels import _build
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k() {}")
+    first = _build.build_directory("k", src, ["90"])
+    assert first.is_dir() and first.parent == tmp_path / "cache"
+    assert _build.build_directory("k", src, ["90"]) == first
+    assert _build.build_directory("k", src, ["90", "100"]) != first
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert _build.build_directory("k", src, ["90"]) != first
+    monkeypatch.undo()
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
+    src.write_text("__global__ void k() { }")
+    assert _build.build_directory("k", src, ["90"]) != first
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "theirs"))
+    assert _build.build_directory("k", src, ["90"]) is None  # the user's choice: torch's layout
+
+
+def test_prebuild_does_nothing_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(K, "_built", False)
+    K.prebuild()
+    assert not K._built
+    assert not any(t.name == "soft_ce build" for t in threading.enumerate())
 
 
 def test_benchmark_runs_on_cpu(tmp_path):

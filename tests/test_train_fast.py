@@ -474,6 +474,22 @@ def test_runtime_refuses_impossible_devices_before_any_work(monkeypatch):
         ("cpu", torch.float32, "reference", False)
 
 
+@pytest.mark.parametrize("method, capability, cudnn, want", [
+    ("eagle3", None, False, "reference"),  # the CPU
+    ("eagle3", (9, 0), True, "cudnn"),  # Hopper: measured fastest for both layers
+    ("eagle3.1", (9, 0), True, "cudnn"),
+    ("dflash", (9, 0), True, "flex"),  # its anchors' mask: flex only
+    ("eagle3", (9, 0), False, "flex"),  # a torch without cuDNN
+    ("eagle3", (8, 0), True, "flex"),  # not measured off Hopper
+    ("eagle3", (10, 0), True, "flex"),
+])
+def test_auto_attention_is_the_kernel_measured_fastest_where_it_was_measured(
+        method, capability, cudnn, want):
+    from draftsmith.train.loop import auto_attention
+
+    assert auto_attention(method, capability, cudnn) == want
+
+
 def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
     """benchmarks/train_ttt.py keeps working between GPU runs: its toy preset on the CPU."""
     import json
@@ -485,7 +501,8 @@ def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
     subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
                     "--lengths", "64", "--iters", "1", "--json", str(tmp_path / "r.json"),
                     "--kinds", "naive", "naive_bf16", "reference", "fast",
-                    "--archs", "llama", "mla", "--methods", "eagle3", "eagle3.1", "dflash"],
+                    "--archs", "llama", "mla", "--methods", "eagle3", "eagle3.1", "dflash",
+                    "--docs", "2"],
                    check=True, capture_output=True, timeout=600)
     out = json.loads((tmp_path / "r.json").read_text())
     eagle3 = {("eagle3", a, k) for a in ("llama", "mla")
@@ -493,7 +510,8 @@ def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
     others = {("eagle3.1", "llama", "fast"), ("eagle3.1", "mla", "fast"),
               ("dflash", "llama", "fast")}  # DFlash: no MLA layer (no engine serves it)
     assert {(r["method"], r["arch"], r["kind"]) for r in out["results"]} == eagle3 | others
-    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in out["results"])
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["docs"] == 2
+               for r in out["results"])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])

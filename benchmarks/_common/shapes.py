@@ -69,18 +69,21 @@ def make_drafter(p, device, arch: str = "llama", method: str = "eagle3"):
     return m.to(device)
 
 
-def make_batch(p, T, rows, device):
-    """rows samples of T tokens, every token a response token (DFlash: every position a
+def make_batch(p, T, rows, device, docs: int = 1):
+    """rows rows of T tokens, each `docs` samples end to end (as the train stage packs them;
+    the last takes the remainder), every token a response token (DFlash: every position a
     possible anchor)."""
     from draftsmith.drafters.batch import Batch
 
     g = torch.Generator().manual_seed(T)
-    doc = torch.zeros(rows, T, dtype=torch.long)
+    doc = (torch.arange(T) // (T // docs)).clamp(max=docs - 1)
+    pos = torch.arange(T) - doc * (T // docs)
     return Batch(aux=torch.randn(rows, T, 3 * p["H"], generator=g).to(torch.bfloat16),
                  final=torch.randn(rows, T, p["H"], generator=g).to(torch.bfloat16),
                  ids=torch.randint(0, p["V"], (rows, T), generator=g),
-                 loss_mask=torch.ones(rows, T, dtype=torch.bool), doc=doc,
-                 pos=torch.arange(T).expand(rows, T).contiguous()).to(device)
+                 loss_mask=torch.ones(rows, T, dtype=torch.bool),
+                 doc=doc.expand(rows, T).contiguous(),
+                 pos=pos.expand(rows, T).contiguous()).to(device)
 
 
 HIDDEN_PRESETS = {

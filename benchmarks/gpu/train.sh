@@ -6,17 +6,19 @@
 #   setsid nohup bash benchmarks/gpu/train.sh RESULTS [WHEELS] > /tmp/train.log 2>&1 &
 # WHEELS: a folder of wheels the image lacks (pydantic ...), installed to /tmp/pyd.
 # PARTS (default all, in this order):
-#   cold     the first step of each drafter layer at the Kimi shape, T = 8,192, flex, with an
-#            empty inductor cache (what a user's first run pays; the soft-CE build apart)
+#   cold     the first step of each drafter layer at the Kimi shape, T = 8,192, with empty
+#            inductor and kernel caches, the soft-CE build in it as the train stage has it
+#            (what a user's first run on a machine pays), on each of COLD_ATTENTIONS
 #   mla      the MLA layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
 #   llama8b  the Llama layer at the 8B shape, T = 16,384, flex / flash / cuDNN
 #   numerics the GPU tests: bf16 fast path vs the fp64 reference, every attention and layer
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
+# PROFILE=1: also each case's operator profile (RESULTS/profile_*.txt).
 # A dry run on a CPU (what it runs, at toy size; the GPU tests skip):
 #   KIMI=toy B8=toy SHORT=64 LONG=128 ATTENTIONS=auto bash benchmarks/gpu/train.sh /tmp/r
 set -uo pipefail
 KIMI=${KIMI:-kimi-k2} B8=${B8:-8b} SHORT=${SHORT:-8192} LONG=${LONG:-16384}
-ATTENTIONS=${ATTENTIONS:-flex flash cudnn}
+ATTENTIONS=${ATTENTIONS:-flex flash cudnn} COLD_ATTENTIONS=${COLD_ATTENTIONS:-auto}
 R=${1:?results folder} WHEELS=${2:-}
 mkdir -p "$R"
 R=$(cd "$R" && pwd)
@@ -25,16 +27,22 @@ export PYTHONPATH="/tmp/pyd:$PWD/src" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" \
     > "$R/versions.txt" 2>&1
+export DRAFTSMITH_KERNEL_CACHE=$R/kernels  # built once for the parts that time it apart
 ttt() {  # ttt NAME ARGS...: one train_ttt.py process, its own empty inductor cache
     local cache; cache=$(mktemp -d)
     TORCHINDUCTOR_CACHE_DIR=$cache python3 benchmarks/train_ttt.py --kinds fast \
-        --json "$R/train_ttt_$1.json" "${@:2}" > "$R/train_ttt_$1.log" 2>&1
+        --json "$R/train_ttt_$1.json" ${PROFILE:+--profile "$R"} "${@:2}" \
+        > "$R/train_ttt_$1.log" 2>&1
     echo "$1 rc=$?" >> "$R/rc.txt"
 }
 for part in ${PARTS:-cold mla llama8b numerics llama}; do
     case $part in
         cold) for arch in llama mla; do
-                  ttt "cold_$arch" --preset "$KIMI" --archs "$arch" --lengths "$SHORT" --iters 2
+                  for attention in $COLD_ATTENTIONS; do
+                      DRAFTSMITH_KERNEL_CACHE=$(mktemp -d) ttt "cold_${arch}_$attention" \
+                          --preset "$KIMI" --archs "$arch" --lengths "$SHORT" --iters 2 \
+                          --attentions "$attention" --first-step-builds
+                  done
               done ;;
         mla) ttt mla --preset "$KIMI" --archs mla --lengths "$SHORT" "$LONG" \
                  --attentions $ATTENTIONS ;;

@@ -2,8 +2,9 @@
 with its gradient, in one fused CUDA kernel (soft_ce.cu) or its PyTorch reference.
 
 `soft_ce` picks the kernel for CUDA tensors and the reference otherwise. The kernel is built on
-first use with torch.utils.cpp_extension (cached in TORCH_EXTENSIONS_DIR); if that fails it warns
-once and the reference takes over. DRAFTSMITH_KERNELS=ref|cuda|auto (or `use(...)`) overrides
+first use with torch.utils.cpp_extension (kept by source and torch version: _build.py), or
+beforehand in the background (`prebuild`); if that fails it warns once and the reference takes
+over. DRAFTSMITH_KERNELS=ref|cuda|auto (or `use(...)`) overrides
 the choice: `cuda` raises when the kernel cannot be used instead of falling back.
 """
 
@@ -43,6 +44,15 @@ def _extension():
         _ext, reason, _error = build("draftsmith_soft_ce", "soft_ce.cu")
         _reason = reason or ""
         return _ext
+
+
+def prebuild() -> None:
+    """Build the kernel in a background thread (nvcc runs as a process of its own), so that a
+    first build overlaps what the caller does next (the train stage: setting up and compiling
+    its first step) instead of adding to it; the first soft_ce call waits for it. A no-op where
+    there is no GPU, with DRAFTSMITH_KERNELS=ref, or once built."""
+    if _current_mode() != "ref" and torch.cuda.is_available() and not _built:
+        threading.Thread(target=_extension, name="soft_ce build", daemon=True).start()
 
 
 def available() -> bool:

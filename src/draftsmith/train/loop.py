@@ -3,7 +3,7 @@
 the trained drafter on held-out samples) -> save.
 
 One code path for the CPU (the embedded default: fp32, the dense reference attention) and the
-GPU (bf16 autocast over fp32 master weights, flex attention, compiled). Inside a step nothing
+GPU (bf16 autocast over fp32 master weights, cuDNN or flex attention, compiled). Inside a step nothing
 waits for the GPU: metrics stay on the device and are read only at logging steps.
 """
 
@@ -24,6 +24,7 @@ from draftsmith.atomic import atomic_path
 from draftsmith.checkpoint import load_drafter_weights, save_drafter
 from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
+from draftsmith.drafters.options import train_problem
 from draftsmith.drafters.registry import METHODS, DrafterConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import TargetHead
@@ -32,6 +33,7 @@ from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed,
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
 from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
 from draftsmith.train.sources import StoredStates
+from draftsmith_kernels import soft_ce
 
 
 @dataclass
@@ -52,7 +54,9 @@ class Runtime:
         device = w.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and cuda)
                           else "cpu")
         on_gpu = device.type == "cuda"
-        attention = cfg.attention if cfg.attention != "auto" else ("flex" if on_gpu else "reference")
+        attention = cfg.attention if cfg.attention != "auto" else auto_attention(
+            cfg.method, torch.cuda.get_device_capability(device) if on_gpu else None,
+            on_gpu and torch.backends.cudnn.is_available())
         if attention != "reference" and not on_gpu:
             why = ("PyTorch has no flex attention backward on the CPU" if attention == "flex"
                    else f"{attention} attention is a CUDA kernel")
@@ -65,6 +69,18 @@ class Runtime:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
                               enabled=self.dtype == torch.bfloat16)
+
+
+def auto_attention(method: str, capability: tuple[int, int] | None, cudnn: bool) -> str:
+    """train.attention: auto. The CPU (capability None): the dense reference, PyTorch having no
+    flex backward there. A GPU: cuDNN's kernel for EAGLE's TTT attention on Hopper (sm_90),
+    where it trained both drafter layers fastest at every length measured (docs/performance.md
+    has the table); flex elsewhere (not measured) and for DFlash (its anchors' mask needs flex)."""
+    if capability is None:
+        return "reference"
+    if cudnn and capability[0] == 9 and train_problem(method, "llama", "cudnn") is None:
+        return "cudnn"
+    return "flex"
 
 
 def build_drafter(cfg: TrainConfig, head: TargetHead, d2t, t2d, aux_layers,
@@ -139,6 +155,8 @@ class Trainer:
         makes each step data parallel (DDP over the working copy, or FSDP2 over the fp32
         weights with train.parallel: fsdp). vocab: (d2t, t2d), the draft vocab's maps (None:
         the drafter's own)."""
+        if rt.device.type == "cuda":  # nvcc's first build (a minute) beside the setup and compile
+            soft_ce.prebuild()
         self.cfg, self.rt, self.target, self.world = cfg, rt, target, w
         self.method = METHODS[model.config.method]
         self.fsdp = w.size > 1 and cfg.parallel == "fsdp"
