@@ -308,13 +308,7 @@ def margin_summary(probes: dict) -> dict:
             "smallest_gaps": [round(g, 4) for g in gaps[:10]]}
 
 
-def main(argv=None) -> int:
-    from draftsmith import benchmark
-    from draftsmith.config import load_config
-    from draftsmith.export import speculative_args
-    from draftsmith.serving.server import serve_target
-    from draftsmith.target_info import read_info
-
+def parse_args(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", type=Path, default=REPO,
                    help="a pipeline checkout: params.yaml, models/target, data/raw")
@@ -343,15 +337,76 @@ def main(argv=None) -> int:
                         "side (e.g. EAGLE-3=a.json DFlash=b.json)")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
+    if a.replot and (not a.plot or not all("=" in r for r in a.replot)):
+        p.error("--replot needs --plot and LABEL=JSON pairs")
+    if not a.replot and not a.out:
+        p.error("--out is required (where the measurements go)")
+    return a
+
+
+def plan_servers(a, server, target: Path, ks: list[int], work: Path) -> tuple[dict, dict]:
+    """name -> (target dir, extra server args, k or None, greedy to EOS or to max_tokens), and
+    each --shapes target's sizes."""
+    from draftsmith.export import speculative_args
+
+    plan = {"target": (target, [], None, False)}
+    for k in ks if a.export else []:
+        plan[drafted_name(k)] = (target, speculative_args(
+            "vllm", a.repo / a.export, k, server.speculative_config), k, False)
+    shapes = {}
+    for spec in a.shapes:
+        d, shapes[spec] = shape_target(target, spec, work / f"shape-{spec.replace(':', 'x')}")
+        plan[f"shape {spec}"] = (d, ["--load-format", "dummy"], None, True)
+    return plan, shapes
+
+
+def start_all(server, plan: dict, logs: dict[str, Path], stack: ExitStack) -> tuple[dict, dict]:
+    """Every server at once (one GPU holds them all), each stopped when the stack closes:
+    name -> url, and name -> seconds it took to start."""
+    from draftsmith.serving.server import serve_target
+
+    def start(name):
+        d, extra, _, _ = plan[name]
+        logs[name].mkdir()
+        t0 = time.time()
+        url = stack.enter_context(serve_target(server, d, logs[name], seed=0, extra=extra,
+                                               launch=True))[0]
+        return url, round(time.time() - t0, 1)
+
+    with ThreadPoolExecutor(len(plan)) as pool:
+        started = dict(zip(plan, pool.map(start, plan)))
+    return ({name: url for name, (url, _) in started.items()},
+            {name: s for name, (_, s) in started.items()})
+
+
+def run_rounds(a, server, plan: dict, urls: dict, fmt, prompts, max_tokens: int,
+               out: dict) -> list[dict]:
+    """Each server alone at each concurrency, once a round; out (with its rows) is written
+    after every measurement, so a failure keeps the rest."""
+    rows = out["runs"] = []
+    for round_ in range(a.repeats):
+        for name, (_, _, k, ignore_eos) in plan.items():
+            for c in a.concurrency:
+                r = measure(server, urls[name], fmt, prompts, c,
+                            max(a.min_requests, a.requests * c), max_tokens, ignore_eos, k)
+                rows.append({"server": name, "round": round_, **r})
+                print(f"{name:<20} c={c:<3} {r['tokens_per_s']:>9} tok/s "
+                      f"{r['ms_per_token_per_request']:>8} ms/token/request, decode "
+                      f"{r['decode_ms_per_token']} ms/token", flush=True)
+                write(a.out, out)
+    return rows
+
+
+def main(argv=None) -> int:
+    from draftsmith import benchmark
+    from draftsmith.config import load_config
+    from draftsmith.target_info import read_info
+
+    a = parse_args(argv)
     if a.replot:
-        if not a.plot or not all("=" in r for r in a.replot):
-            p.error("--replot needs --plot and LABEL=JSON pairs")
         plot({label: json.loads(Path(f).read_text())
               for label, f in (r.split("=", 1) for r in a.replot)}, a.plot)
         return 0
-    if not a.out:
-        p.error("--out is required (where the measurements go)")
-
     cfg = load_config(a.repo / "params.yaml")
     server = launched(cfg, a.server_command or cfg.server.command,
                       cfg.server.extra_args if a.extra_args is None else a.extra_args)
@@ -364,45 +419,15 @@ def main(argv=None) -> int:
            "k": ks, "max_tokens": max_tokens, "prompts": len(prompts)}
 
     with tempfile.TemporaryDirectory() as work, ExitStack() as stack:
-        work = Path(work)
-        # name -> (target dir, extra server args, k or None, greedy to EOS or to max_tokens)
-        plan = {"target": (target, [], None, False)}
-        for k in ks if a.export else []:
-            plan[drafted_name(k)] = (target, speculative_args(
-                "vllm", a.repo / a.export, k, server.speculative_config), k, False)
-        shapes = {}
-        for spec in a.shapes:
-            d, shapes[spec] = shape_target(target, spec, work / f"shape-{spec.replace(':', 'x')}")
-            plan[f"shape {spec}"] = (d, ["--load-format", "dummy"], None, True)
-        logs = {name: work / f"log-{i}" for i, name in enumerate(plan)}
+        plan, shapes = plan_servers(a, server, target, ks, Path(work))
+        logs = {name: Path(work) / f"log-{i}" for i, name in enumerate(plan)}
         if a.logs:  # kept even when a start fails: the log says why
             stack.callback(keep_logs, logs, a.logs)
-
-        def start(name):
-            d, extra, _, _ = plan[name]
-            logs[name].mkdir()
-            t0 = time.time()
-            url = stack.enter_context(serve_target(server, d, logs[name], seed=0, extra=extra,
-                                                   launch=True))[0]
-            return url, round(time.time() - t0, 1)
-
         t0 = time.time()
-        with ThreadPoolExecutor(len(plan)) as pool:  # every server starts at once
-            started = dict(zip(plan, pool.map(start, plan)))
-        urls = {name: url for name, (url, _) in started.items()}
+        urls, start_s = start_all(server, plan, logs, stack)
         out["servers_start_s"] = round(time.time() - t0, 1)
-        out["server_start_s"] = {name: s for name, (_, s) in started.items()}
-        rows = out["runs"] = []
-        for round_ in range(a.repeats):
-            for name, (_, _, k, ignore_eos) in plan.items():
-                for c in a.concurrency:
-                    r = measure(server, urls[name], fmt, prompts, c,
-                                max(a.min_requests, a.requests * c), max_tokens, ignore_eos, k)
-                    rows.append({"server": name, "round": round_, **r})
-                    print(f"{name:<20} c={c:<3} {r['tokens_per_s']:>9} tok/s "
-                          f"{r['ms_per_token_per_request']:>8} ms/token/request, decode "
-                          f"{r['decode_ms_per_token']} ms/token", flush=True)
-                    write(a.out, out)  # a failure keeps the rest
+        out["server_start_s"] = start_s
+        rows = run_rounds(a, server, plan, urls, fmt, prompts, max_tokens, out)
         # the target's own margins, once per prompt: where a drafted output parts, how close
         # the target's top two tokens were there (after the rounds: it slows what it asks)
         probes = target_margins(server, urls["target"], fmt, prompts, max_tokens)
