@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _common.results import matmul_ceiling, run_info, save_results
+from _common.results import matmul_ceiling, run_info, save_results, time_steps
 from _common.shapes import TRAIN_PRESETS as PRESETS, make_batch, make_drafter, train_config
 
 
@@ -121,48 +121,25 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         torch.nn.utils.clip_grad_norm_(m.trainable_parameters(), 1.0)
         opt.step()
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     case = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows, "docs": docs,
             "attention": rt.attention if trainer else "dense" if kind == "reference" else "sdpa"}
-    graphs = _graphs()
     try:
-        t0 = time.perf_counter()
-        step()
-        sync()
-        first = time.perf_counter() - t0  # compiling (cold only in a process's first case)
-        graphs = _graphs() - graphs
-        step()
-        sync()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        sync()
-        seconds = (time.perf_counter() - t0) / iters
-        if profile is not None:
+        t = time_steps(step, device, iters)  # the first step compiles (cold only in a
+        if profile is not None:  # process's first case)
             name = "_".join([kind] + [x for x in (arch, method, rt.attention)
                                       if x not in ("llama", "eagle3", "flex", "reference")])
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             write_profile(step, sync, device, profile / f"profile_{name}_T{T}.txt")
     except torch.OutOfMemoryError:
         return {**case, "status": "out of memory"}
     finally:
         del m, opt, trainer
+    seconds = t.pop("seconds")
     out = {**case, "status": "ok", "tokens_per_s": round(rows * T / seconds, 1),
-           "step_ms": round(seconds * 1e3, 2), "first_step_s": round(first, 1),
-           "graphs_compiled": graphs,
-           "flops_per_token": flops}
+           "step_ms": round(seconds * 1e3, 2), **t, "flops_per_token": flops}
     if device.type == "cuda":
-        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         torch.cuda.empty_cache()
     return out
-
-
-def _graphs() -> int:
-    """Graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def kernel_build_seconds(device) -> float | None:

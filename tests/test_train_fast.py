@@ -514,6 +514,26 @@ def test_the_gpu_benchmark_script_runs_at_toy_size(tmp_path):
                for r in out["results"])
 
 
+def test_the_specforge_comparison_script_runs_at_toy_size(tmp_path):
+    """benchmarks/specforge_step.py keeps working between GPU runs: our side at toy size on the
+    CPU, each case in a process of its own (SpecForge's side needs its wheel, which the suite
+    does not install: run by hand, see the script's docstring)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "specforge_step.py"
+    subprocess.run([sys.executable, str(script), "--preset", "toy", "--device", "cpu",
+                    "--impls", "ours", "--lengths", "64", "128", "--iters", "1",
+                    "--json", str(tmp_path / "r.json")],
+                   check=True, capture_output=True, timeout=600)
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["impl"], r["T"], r["status"]) for r in out["results"]] == \
+        [("ours", 64, "ok"), ("ours", 128, "ok")]
+    assert all(r["tokens_per_s"] > 0 and r["attention"] == "reference" for r in out["results"])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_weight_gradient_adds_bf16_products_into_fp32(device):
     """loss.add_mm: acc += a @ b with bf16 a, b and an fp32 acc. On a GPU cuBLAS adds the fp32

@@ -38,3 +38,30 @@ def matmul_ceiling(device):
         a @ b
     torch.cuda.synchronize()
     return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
+
+
+def time_steps(step, device, iters: int) -> dict:
+    """A training step timed as the benchmarks here time one: the first call (compiling; the
+    graphs dynamo compiled in it counted), one more, then `iters` timed, the peak memory over
+    those. -> first_step_s, seconds (a step), graphs_compiled, peak_memory_gb (CUDA only)."""
+    from torch._dynamo.utils import counters
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    graphs = counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    step()
+    sync()
+    out = {"first_step_s": round(time.perf_counter() - t0, 1),
+           "graphs_compiled": counters["stats"]["unique_graphs"] - graphs}
+    step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync()
+    out["seconds"] = (time.perf_counter() - t0) / iters
+    if device.type == "cuda":
+        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    return out

@@ -12,6 +12,8 @@
 #   mla      the MLA layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
 #   llama8b  the Llama layer at the 8B shape, T = 16,384, flex / flash / cuDNN
 #   numerics the GPU tests: bf16 fast path vs the fp64 reference, every attention and layer
+#   specforge SpecForge's EAGLE-3 step beside ours, 8B shape, T = 2,048 and LONG (its wheel in
+#            WHEELS: pip download --no-deps specforge==0.2.0 -d .whl)
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
 # PROFILE=1: also each case's operator profile (RESULTS/profile_*.txt).
 # A dry run on a CPU (what it runs, at toy size; the GPU tests skip):
@@ -35,7 +37,7 @@ ttt() {  # ttt NAME ARGS...: one train_ttt.py process, its own empty inductor ca
         > "$R/train_ttt_$1.log" 2>&1
     echo "$1 rc=$?" >> "$R/rc.txt"
 }
-for part in ${PARTS:-cold mla llama8b numerics llama}; do
+for part in ${PARTS:-cold mla llama8b numerics specforge llama}; do
     case $part in
         cold) for arch in llama mla; do
                   for attention in $COLD_ATTENTIONS; do
@@ -49,6 +51,10 @@ for part in ${PARTS:-cold mla llama8b numerics llama}; do
         llama8b) ttt llama8b --preset "$B8" --lengths "$LONG" --attentions $ATTENTIONS ;;
         llama) ttt llama --preset "$KIMI" --archs llama --lengths "$SHORT" "$LONG" \
                    --attentions $ATTENTIONS ;;
+        specforge) python3 benchmarks/specforge_step.py --preset "$B8" --lengths 2048 "$LONG" \
+                       --impls ours specforge specforge-compact --json "$R/specforge_step.json" \
+                       > "$R/specforge_step.log" 2>&1
+                   echo "specforge rc=$?" >> "$R/rc.txt" ;;
         numerics) python3 -m pytest -q -p no:cacheprovider tests/test_train_fast.py \
                       -k "gpu" > "$R/numerics.log" 2>&1
                   echo "numerics rc=$?" >> "$R/rc.txt" ;;
