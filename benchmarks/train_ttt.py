@@ -124,8 +124,9 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
     case = {"kind": kind, "method": method, "arch": arch, "T": T, "rows": rows, "docs": docs,
             "attention": rt.attention if trainer else "dense" if kind == "reference" else "sdpa"}
     try:
-        t = time_steps(step, device, iters)  # the first step compiles (cold only in a
-        if profile is not None:  # process's first case)
+        # the first step compiles (cold only in a process's first case)
+        timed = time_steps(step, device, iters, rows * T)
+        if profile is not None:
             name = "_".join([kind] + [x for x in (arch, method, rt.attention)
                                       if x not in ("llama", "eagle3", "flex", "reference")])
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -134,16 +135,14 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
         return {**case, "status": "out of memory"}
     finally:
         del m, opt, trainer
-    seconds = t.pop("seconds")
-    out = {**case, "status": "ok", "tokens_per_s": round(rows * T / seconds, 1),
-           "step_ms": round(seconds * 1e3, 2), **t, "flops_per_token": flops}
+    out = {**case, "status": "ok", **timed, "flops_per_token": flops}
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
 def kernel_build_seconds(device) -> float | None:
-    """The soft-CE CUDA kernel's build on first use (nvcc, cached in TORCH_EXTENSIONS_DIR),
+    """The soft-CE CUDA kernel's build on first use (nvcc, kept as _build.build_directory says),
     timed apart so a case's first step is compiling only."""
     from draftsmith_kernels import soft_ce
 

@@ -40,10 +40,11 @@ def matmul_ceiling(device):
     return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t0)
 
 
-def time_steps(step, device, iters: int) -> dict:
-    """A training step timed as the benchmarks here time one: the first call (compiling; the
-    graphs dynamo compiled in it counted), one more, then `iters` timed, the peak memory over
-    those. -> first_step_s, seconds (a step), graphs_compiled, peak_memory_gb (CUDA only)."""
+def time_steps(step, device, iters: int, tokens: int) -> dict:
+    """A training step of `tokens` tokens timed as the benchmarks here time one: the first call
+    (compiling; the graphs dynamo compiled in it counted), one more, then `iters` timed, the
+    peak memory over those. -> tokens_per_s, step_ms, first_step_s, graphs_compiled,
+    peak_memory_gb (CUDA only)."""
     from torch._dynamo.utils import counters
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -61,7 +62,8 @@ def time_steps(step, device, iters: int) -> dict:
     for _ in range(iters):
         step()
     sync()
-    out["seconds"] = (time.perf_counter() - t0) / iters
+    seconds = (time.perf_counter() - t0) / iters
+    out = {"tokens_per_s": round(tokens / seconds, 1), "step_ms": round(seconds * 1e3, 2), **out}
     if device.type == "cuda":
         out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     return out
