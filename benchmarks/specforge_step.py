@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -97,7 +98,8 @@ def one(args) -> dict:
 
 
 def run(args, impl: str, T: int) -> dict:
-    """One case in a process of its own: ours is train_ttt.py's fast kind, SpecForge's this
+    """One case in a process of its own, with an empty inductor cache of its own (so every
+    case's first_step_s is a cold compile): ours is train_ttt.py's fast kind, SpecForge's this
     script's --case."""
     common = ["--preset", args.preset, "--device", args.device] + (
         ["--iters", str(args.iters)] if args.iters else [])
@@ -106,7 +108,8 @@ def run(args, impl: str, T: int) -> dict:
         cmd = ([sys.executable, str(HERE / "train_ttt.py"), *common, "--kinds", "fast",
                 "--lengths", str(T), "--json", str(out)] if impl == "ours" else
                [sys.executable, str(Path(__file__).resolve()), *common, "--case", impl, str(T)])
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=env)
         if done.returncode != 0:
             return {"impl": impl, "T": T, "status": "failed", "error": done.stderr[-2000:]}
         if impl != "ours":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import draftsmith_kernels.soft_ce as K
+from draftsmith_kernels import _build
 from draftsmith.errors import DraftsmithError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,27 +136,60 @@ def test_mode_is_validated(monkeypatch):
     assert K.status().startswith("reference (forced")
 
 
-def test_a_built_kernel_is_kept_by_its_source_torch_and_archs(tmp_path, monkeypatch):
-    """A changed source or another torch must build anew, never load a binary built against
-    another ABI; the same build finds its folder again (a second run loads, not nvcc)."""
-    from draftsmith_kernels import _build
-
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+def test_a_built_kernel_is_kept_by_its_source_compiler_and_archs(tmp_path, monkeypatch):
+    """A changed source or another toolkit must build anew, never load a stale binary; the
+    same build finds its folder again (a second run loads, not nvcc)."""
     monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
     src = tmp_path / "k.cu"
     src.write_text("__global__ void k() {}")
-    first = _build.build_directory("k", src, ["90"])
+    first = _build.build_directory("k", src, ["90"], "V13.0")
     assert first.is_dir() and first.parent == tmp_path / "cache"
-    assert _build.build_directory("k", src, ["90"]) == first
-    assert _build.build_directory("k", src, ["90", "100"]) != first
-    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
-    assert _build.build_directory("k", src, ["90"]) != first
-    monkeypatch.undo()
-    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
+    assert _build.build_directory("k", src, ["90"], "V13.0") == first
+    assert _build.build_directory("k", src, ["90", "100"], "V13.0") != first
+    assert _build.build_directory("k", src, ["90"], "V13.1") != first
     src.write_text("__global__ void k() { }")
-    assert _build.build_directory("k", src, ["90"]) != first
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "theirs"))
-    assert _build.build_directory("k", src, ["90"]) is None  # the user's choice: torch's layout
+    assert _build.build_directory("k", src, ["90"], "V13.0") != first
+
+
+needs_nvcc = pytest.mark.skipif(_build.find_nvcc() is None,
+                                reason="needs nvcc (the CUDA toolkit); no GPU needed")
+# Each kernel's C function with no rows (returns before any CUDA call) and with an unknown
+# dtype code (refused before any CUDA call): what its ctypes declaration must carry through.
+C_CALLS = {"soft_ce": lambda f, rows, dtype: f(None, dtype, None, 0, *[None] * 6, rows, 8, None),
+           "fp8_rows": lambda f, rows, dtype: f(None, dtype, None, None, rows, 8, None)}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kernel", ["soft_ce", "fp8_rows"])
+def test_each_kernel_builds_with_nvcc_alone_and_loads(tmp_path, monkeypatch, kernel):
+    """No GPU needed to build and load: the .cu compiles with CUDA's headers only, the library
+    exports the C functions its shim declares, and a second build loads the kept file."""
+    import importlib
+
+    shim = importlib.import_module(f"draftsmith_kernels.{kernel}")
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path))
+    lib, reason, error = _build.build(f"draftsmith_{kernel}", f"{kernel}.cu", archs=["90"])
+    assert lib is not None, (reason, getattr(error, "stderr", None))
+    shim.bind(lib)
+    errors, run = getattr(lib, f"draftsmith_{kernel}_error"), getattr(lib, f"draftsmith_{kernel}")
+    assert errors(1) == b"invalid argument"  # cudaErrorInvalidValue, no device needed
+    assert C_CALLS[kernel](run, 0, 2) == 0 and C_CALLS[kernel](run, 3, 7) == 1
+    (built,) = tmp_path.glob(f"draftsmith_{kernel}-*/draftsmith_{kernel}.so")
+    assert not list(tmp_path.glob("*/*.tmp"))  # written beside it, then renamed
+    stamp = built.stat().st_mtime_ns
+    assert _build.build(f"draftsmith_{kernel}", f"{kernel}.cu", archs=["90"])[0] is not None
+    assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+@needs_nvcc
+def test_a_kernel_that_does_not_compile_gives_the_compilers_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
+    bad = tmp_path / "bad.cu"
+    bad.write_text("__global__ void k() { undeclared(); }\n")
+    monkeypatch.setattr(_build, "__file__", str(tmp_path / "_build.py"))
+    lib, reason, error = _build.build("bad", "bad.cu", archs=["90"])
+    assert lib is None and "undeclared" in reason and "error" in reason
+    assert not list((tmp_path / "cache").glob("*/*"))  # nothing half-written kept
 
 
 def test_prebuild_does_nothing_without_a_gpu(monkeypatch):

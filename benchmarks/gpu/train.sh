@@ -15,12 +15,15 @@
 #   specforge SpecForge's EAGLE-3 step beside ours, 8B shape, T = 2,048 and LONG (its wheel in
 #            WHEELS: pip download --no-deps specforge==0.2.0 -d .whl)
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
+#   docs     packed rows (DOCS documents of LONG / DOCS tokens each, as the train stage packs
+#            them), MLA at the Kimi shape and Llama at the 8B shape, on each of DOCS_ATTENTIONS
 # PROFILE=1: also each case's operator profile (RESULTS/profile_*.txt).
 # A dry run on a CPU (what it runs, at toy size; the GPU tests skip):
 #   KIMI=toy B8=toy SHORT=64 LONG=128 ATTENTIONS=auto bash benchmarks/gpu/train.sh /tmp/r
 set -uo pipefail
 KIMI=${KIMI:-kimi-k2} B8=${B8:-8b} SHORT=${SHORT:-8192} LONG=${LONG:-16384}
 ATTENTIONS=${ATTENTIONS:-flex flash cudnn} COLD_ATTENTIONS=${COLD_ATTENTIONS:-auto}
+DOCS=${DOCS:-4 16} DOCS_ATTENTIONS=${DOCS_ATTENTIONS:-cudnn flex}
 R=${1:?results folder} WHEELS=${2:-}
 mkdir -p "$R"
 R=$(cd "$R" && pwd)
@@ -37,7 +40,7 @@ ttt() {  # ttt NAME ARGS...: one train_ttt.py process, its own empty inductor ca
         > "$R/train_ttt_$1.log" 2>&1
     echo "$1 rc=$?" >> "$R/rc.txt"
 }
-for part in ${PARTS:-cold mla llama8b numerics specforge llama}; do
+for part in ${PARTS:-cold mla llama8b numerics specforge docs llama}; do
     case $part in
         cold) for arch in llama mla; do
                   for attention in $COLD_ATTENTIONS; do
@@ -55,6 +58,12 @@ for part in ${PARTS:-cold mla llama8b numerics specforge llama}; do
                        --impls ours specforge specforge-compact --json "$R/specforge_step.json" \
                        > "$R/specforge_step.log" 2>&1
                    echo "specforge rc=$?" >> "$R/rc.txt" ;;
+        docs) for n in $DOCS; do
+                  ttt "docs${n}_mla" --preset "$KIMI" --archs mla --lengths "$LONG" \
+                      --docs "$n" --attentions $DOCS_ATTENTIONS
+                  ttt "docs${n}_llama8b" --preset "$B8" --lengths "$LONG" --docs "$n" \
+                      --attentions $DOCS_ATTENTIONS
+              done ;;
         numerics) python3 -m pytest -q -p no:cacheprovider tests/test_train_fast.py \
                       -k "gpu" > "$R/numerics.log" 2>&1
                   echo "numerics rc=$?" >> "$R/rc.txt" ;;

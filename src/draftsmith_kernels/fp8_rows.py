@@ -10,6 +10,7 @@ states need not import this module (nor build the kernel).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 
@@ -19,6 +20,7 @@ from draftsmith_kernels._build import build, current_mode
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # fp8_rows.cu's numbering
 
 _lock = threading.Lock()
 _built = False
@@ -35,7 +37,18 @@ def _extension():
             _built = True
             _ext, reason, _error = build("draftsmith_fp8_rows", "fp8_rows.cu")
             _reason = reason or ""
+            if _ext is not None:
+                bind(_ext)
         return _ext
+
+
+def bind(lib) -> None:
+    """Declare the built library's C functions (fp8_rows.cu's signatures) to ctypes."""
+    P = ctypes.c_void_p
+    lib.draftsmith_fp8_rows.argtypes = [P, ctypes.c_int, P, P, ctypes.c_int64, ctypes.c_int64, P]
+    lib.draftsmith_fp8_rows.restype = ctypes.c_int
+    lib.draftsmith_fp8_rows_error.argtypes = [ctypes.c_int]
+    lib.draftsmith_fp8_rows_error.restype = ctypes.c_char_p
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +68,18 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             warnings.warn(f"draftsmith_kernels: the fp8_rows CUDA kernel is unavailable "
                           f"({_reason}); using the PyTorch reference", RuntimeWarning)
         return quantize_ref(x)
-    q, scale = ext.quantize(x.contiguous())
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be one of {tuple(_DTYPES)}, got {x.dtype}")
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    with torch.cuda.device(x.device):  # the device whose context the launch uses
+        code = ext.draftsmith_fp8_rows(x.data_ptr(), _DTYPES[x.dtype], q.data_ptr(),
+                                       scale.data_ptr(), x.shape[0], x.shape[1],
+                                       torch.cuda.current_stream().cuda_stream)
+    if code != 0:
+        raise RuntimeError(f"the fp8_rows kernel failed to launch: "
+                           f"{ext.draftsmith_fp8_rows_error(code).decode()} (CUDA error {code})")
     return q, scale
 
 

@@ -2,20 +2,19 @@
 // with its gradient: one thread block per row, two passes over the row, nothing (N, V) in fp32.
 //   pass 1: online max / sum-exp of both rows, the p-weighted sums, both argmaxes; block reduce
 //   pass 2: grad = row_scale * (softmax(logits) - softmax(target)), in the logits dtype
-// The PyTorch reference (same contract) is soft_ce_ref in soft_ce.py.
+// The PyTorch reference (same contract) is soft_ce_ref in soft_ce.py, which also checks the
+// arguments and allocates the outputs: this file includes no torch header (nvcc alone builds it
+// in seconds, where torch/extension.h made it a minute) and exports one C function, called
+// through ctypes.
 
-// c10's CUDA headers rather than ATen/cuda/CUDAContext.h, which also wants the cuBLAS and
-// cuSPARSE headers: nvcc and the CUDA runtime headers are enough to build.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cstdint>
-#include <tuple>
 #include <type_traits>
 
 namespace {
@@ -197,85 +196,64 @@ soft_ce_kernel(const L* logits, const T* __restrict__ target, const float* __res
   }
 }
 
-bool aligned16(const at::Tensor& x) { return reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0; }
+// Element types as soft_ce.py numbers them (DTYPES there).
+enum Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
-struct Tensors {
-  at::Tensor logits, target, row_scale, grad, ce, neg_entropy, pred, target_pred;
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+struct Args {
+  const void* logits;
+  const void* target;
+  const float* row_scale;
+  void* grad;
+  float* ce;
+  float* neg_entropy;
+  int64_t* pred;
+  int64_t* target_pred;
+  int n, V;
+  cudaStream_t stream;
 };
 
 template <typename L, typename T>
-void launch(const Tensors& x) {
+cudaError_t launch(const Args& a) {
   constexpr int kVec = 16 / sizeof(L);
-  const int n = x.logits.size(0), V = x.logits.size(1);
   // Every row starts 16-byte aligned when the bases are and V is a multiple of the vector.
-  const bool vec = V % kVec == 0 && aligned16(x.logits) && aligned16(x.grad) && aligned16(x.target);
+  const bool vec = a.V % kVec == 0 && aligned16(a.logits) && aligned16(a.grad) &&
+                   aligned16(a.target);
   const int per_thread = vec ? kVec : 1;
-  const int warps = (V + per_thread * kWarp - 1) / (per_thread * kWarp);
+  const int warps = (a.V + per_thread * kWarp - 1) / (per_thread * kWarp);
   const int threads = std::min(kMaxThreads, warps * kWarp);
   const auto kernel = vec ? soft_ce_kernel<L, T, kVec> : soft_ce_kernel<L, T, 1>;
-  kernel<<<n, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      x.logits.data_ptr<L>(), x.target.data_ptr<T>(), x.row_scale.data_ptr<float>(),
-      x.grad.data_ptr<L>(), x.ce.data_ptr<float>(), x.neg_entropy.data_ptr<float>(),
-      x.pred.data_ptr<int64_t>(), x.target_pred.data_ptr<int64_t>(), V);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  kernel<<<a.n, threads, 0, a.stream>>>(
+      static_cast<const L*>(a.logits), static_cast<const T*>(a.target), a.row_scale,
+      static_cast<L*>(a.grad), a.ce, a.neg_entropy, a.pred, a.target_pred, a.V);
+  return cudaGetLastError();
 }
 
 template <typename L>
-void dispatch_target(const Tensors& x) {
-  if (x.target.scalar_type() == at::kFloat)
-    launch<L, float>(x);
-  else
-    launch<L, c10::BFloat16>(x);
+cudaError_t dispatch_target(const Args& a, int target_dtype) {
+  return target_dtype == kF32 ? launch<L, float>(a) : launch<L, __nv_bfloat16>(a);
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> soft_ce(
-    const at::Tensor& logits, const at::Tensor& target, const at::Tensor& row_scale, bool inplace) {
-  TORCH_CHECK(logits.is_cuda(), "soft_ce: logits must be a CUDA tensor, got ", logits.device());
-  TORCH_CHECK(logits.dim() == 2, "soft_ce: logits must be (N, V), got ", logits.sizes());
-  TORCH_CHECK(target.sizes() == logits.sizes(), "soft_ce: target_logits ", target.sizes(),
-              " must have the shape of logits ", logits.sizes());
-  TORCH_CHECK(row_scale.dim() == 1 && row_scale.size(0) == logits.size(0),
-              "soft_ce: row_scale must be (N,) = (", logits.size(0), ",), got ", row_scale.sizes());
-  TORCH_CHECK(target.device() == logits.device() && row_scale.device() == logits.device(),
-              "soft_ce: logits, target_logits and row_scale must be on one device, got ",
-              logits.device(), ", ", target.device(), ", ", row_scale.device());
-  TORCH_CHECK(logits.is_contiguous() && target.is_contiguous() && row_scale.is_contiguous(),
-              "soft_ce: logits, target_logits and row_scale must be contiguous");
-  const auto ldtype = logits.scalar_type();
-  TORCH_CHECK(ldtype == at::kFloat || ldtype == at::kHalf || ldtype == at::kBFloat16,
-              "soft_ce: logits must be float32, float16 or bfloat16, got ", ldtype);
-  TORCH_CHECK(target.scalar_type() == at::kFloat || target.scalar_type() == at::kBFloat16,
-              "soft_ce: target_logits must be float32 or bfloat16, got ", target.scalar_type());
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat, "soft_ce: row_scale must be float32, got ",
-              row_scale.scalar_type());
-  const int64_t n = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1, "soft_ce: the vocab (dim 1) must not be empty");
-  // One block per row in grid.x; int columns, with headroom for the last stride past V.
-  TORCH_CHECK(n <= INT_MAX && V <= (1 << 30),
-              "soft_ce: N must be below 2^31 and V at most 2^30, got ", logits.sizes());
-
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const auto f32 = logits.options().dtype(at::kFloat);
-  const auto i64 = logits.options().dtype(at::kLong);
-  const Tensors x{logits, target, row_scale,
-                  inplace ? logits : at::empty_like(logits),
-                  at::empty({n}, f32), at::empty({n}, f32),
-                  at::empty({n}, i64), at::empty({n}, i64)};
-  if (n > 0) {
-    if (ldtype == at::kFloat)
-      dispatch_target<float>(x);
-    else if (ldtype == at::kHalf)
-      dispatch_target<c10::Half>(x);
-    else
-      dispatch_target<c10::BFloat16>(x);
+// The whole contract (shapes, dtypes, contiguity, one device, N < 2^31, V <= 2^30) is checked
+// by the caller, soft_ce.py; grad may be logits itself (inplace). Returns a cudaError_t.
+extern "C" int draftsmith_soft_ce(const void* logits, int logits_dtype, const void* target,
+                                  int target_dtype, const float* row_scale, void* grad, float* ce,
+                                  float* neg_entropy, int64_t* pred, int64_t* target_pred,
+                                  int64_t n, int64_t V, void* stream) {
+  if (n == 0) return cudaSuccess;
+  const Args a{logits, target, row_scale, grad, ce, neg_entropy, pred, target_pred,
+               static_cast<int>(n), static_cast<int>(V), static_cast<cudaStream_t>(stream)};
+  switch (logits_dtype) {
+    case kF32: return dispatch_target<float>(a, target_dtype);
+    case kF16: return dispatch_target<__half>(a, target_dtype);
+    case kBF16: return dispatch_target<__nv_bfloat16>(a, target_dtype);
+    default: return cudaErrorInvalidValue;
   }
-  return {x.ce, x.neg_entropy, x.pred, x.target_pred, x.grad};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("soft_ce", &soft_ce,
-        "(ce, target_neg_entropy, pred, target_pred, grad) of draft logits against target logits",
-        py::arg("logits"), py::arg("target_logits"), py::arg("row_scale"), py::arg("inplace"));
+extern "C" const char* draftsmith_soft_ce_error(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -2,14 +2,15 @@
 with its gradient, in one fused CUDA kernel (soft_ce.cu) or its PyTorch reference.
 
 `soft_ce` picks the kernel for CUDA tensors and the reference otherwise. The kernel is built on
-first use with torch.utils.cpp_extension (kept by source and torch version: _build.py), or
-beforehand in the background (`prebuild`); if that fails it warns once and the reference takes
-over. DRAFTSMITH_KERNELS=ref|cuda|auto (or `use(...)`) overrides
+first use by nvcc (seconds; kept by source, compiler and archs: _build.py), or beforehand in the
+background (`prebuild`), and called through ctypes; if the build fails it warns once and the
+reference takes over. DRAFTSMITH_KERNELS=ref|cuda|auto (or `use(...)`) overrides
 the choice: `cuda` raises when the kernel cannot be used instead of falling back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 
@@ -32,6 +33,8 @@ _reason = ""  # why the kernel is unavailable, once known
 _error: Exception | None = None  # the build's own error, with the compiler output
 _warned = False
 _current_mode = current_mode  # the mode is shared by all kernels (_build.py)
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # soft_ce.cu's Dtype
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def _extension():
@@ -43,7 +46,18 @@ def _extension():
         _built = True
         _ext, reason, _error = build("draftsmith_soft_ce", "soft_ce.cu")
         _reason = reason or ""
+        if _ext is not None:
+            bind(_ext)
         return _ext
+
+
+def bind(lib) -> None:
+    """Declare the built library's C functions (soft_ce.cu's signatures) to ctypes."""
+    lib.draftsmith_soft_ce.argtypes = [_P, ctypes.c_int, _P, ctypes.c_int] + [_P] * 6 + [
+        _I64, _I64, _P]
+    lib.draftsmith_soft_ce.restype = ctypes.c_int
+    lib.draftsmith_soft_ce_error.argtypes = [ctypes.c_int]
+    lib.draftsmith_soft_ce_error.restype = ctypes.c_char_p
 
 
 def prebuild() -> None:
@@ -93,9 +107,34 @@ def soft_ce(logits, target_logits, row_scale, *, inplace: bool = False):
         return soft_ce_ref(logits, target_logits, row_scale, inplace=inplace)
     if not logits.is_cuda:
         raise ValueError(f"the soft_ce CUDA kernel was forced but logits are on {logits.device}")
-    # The kernel wants contiguous rows; logits already are when inplace (checked above).
-    return tuple(ext.soft_ce(logits.contiguous(), target_logits.contiguous(),
-                             row_scale.contiguous(), inplace))
+    return _kernel(ext, logits, target_logits, row_scale, inplace)
+
+
+def _kernel(ext, logits, target_logits, row_scale, inplace: bool):
+    """soft_ce on the CUDA kernel: outputs allocated here, launched on torch's current stream
+    of the logits' device."""
+    n, v = logits.shape
+    if n >= 2 ** 31 or v > 2 ** 30:  # one block per row in grid.x; int columns, with headroom
+        raise ValueError(f"the soft_ce kernel takes N below 2^31 and V at most 2^30, got "
+                         f"{tuple(logits.shape)}")
+    # The kernel wants contiguous rows; logits already are when inplace (checked by _check).
+    logits, target_logits = logits.contiguous(), target_logits.contiguous()
+    row_scale = row_scale.contiguous()
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    ce, neg_entropy = torch.empty(n, **f32), torch.empty(n, **f32)
+    pred = torch.empty(n, dtype=torch.int64, device=logits.device)
+    target_pred = torch.empty_like(pred)
+    grad = logits if inplace else torch.empty_like(logits)
+    with torch.cuda.device(logits.device):  # the device whose context the launch uses
+        code = ext.draftsmith_soft_ce(
+            logits.data_ptr(), _DTYPES[logits.dtype], target_logits.data_ptr(),
+            _DTYPES[target_logits.dtype], row_scale.data_ptr(), grad.data_ptr(), ce.data_ptr(),
+            neg_entropy.data_ptr(), pred.data_ptr(), target_pred.data_ptr(), n, v,
+            torch.cuda.current_stream().cuda_stream)
+    if code != 0:
+        raise RuntimeError(f"the soft_ce kernel failed to launch: "
+                           f"{ext.draftsmith_soft_ce_error(code).decode()} (CUDA error {code})")
+    return ce, neg_entropy, pred, target_pred, grad
 
 
 def _warn_once() -> None:
@@ -103,9 +142,8 @@ def _warn_once() -> None:
     if not _warned:
         _warned = True
         warnings.warn(f"draftsmith_kernels: the soft_ce CUDA kernel is unavailable ({_reason}); "
-                      "using the slower PyTorch reference. For the fast path install ninja "
-                      "(pip install 'draftsmith[kernels]') and the CUDA toolkit matching "
-                      f"torch.version.cuda ({torch.version.cuda}), with nvcc on PATH or in "
+                      "using the slower PyTorch reference. For the fast path install a CUDA "
+                      "toolkit that this machine's driver supports, with nvcc on PATH or in "
                       "CUDA_HOME.",
                       RuntimeWarning, stacklevel=3)
 

@@ -155,7 +155,7 @@ class Trainer:
         makes each step data parallel (DDP over the working copy, or FSDP2 over the fp32
         weights with train.parallel: fsdp). vocab: (d2t, t2d), the draft vocab's maps (None:
         the drafter's own)."""
-        if rt.device.type == "cuda":  # nvcc's first build (a minute) beside the setup and compile
+        if rt.device.type == "cuda":  # nvcc's first build (seconds) beside the setup and compile
             soft_ce.prebuild()
         self.cfg, self.rt, self.target, self.world = cfg, rt, target, w
         self.method = METHODS[model.config.method]
