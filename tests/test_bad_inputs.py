@@ -235,6 +235,10 @@ PARAMS = {
     "negative k": ("benchmark: {num_speculative_tokens: -2}\n", "benchmark.num_speculative_tokens"),
     "block beside k": ("train: {method: dflash, dflash: {block_size: 9}}\n", "block_size=9"),
     "dflash on mla": ("train: {method: dflash, drafter_arch: mla}\n", "drafter_arch"),
+    "unknown dflash loss": ("train: {method: dflash, dflash: {loss: dpace}}\n",
+                            "train.dflash.loss"),
+    "d-pace alpha past 1": ("train: {method: dflash, dflash: {loss: d-pace, dpace_alpha: 1.5}}\n",
+                            "train.dflash.dpace_alpha"),
     "prompt file missing": ("generate: {source: nowhere.jsonl}\n", "nowhere.jsonl"),
     "deeply nested": ("train: " + "[" * 5000 + "]" * 5000 + "\n", None),
 }

@@ -142,16 +142,30 @@ def packed_batch(seed=0, B=2, T=20):
                  ids=torch.randint(0, 50, (B, T), generator=g), loss_mask=mask, doc=doc, pos=pos)
 
 
-@pytest.mark.parametrize("kind", ["ce", "soft_ce"])
+def dpace_weights(ce, counted, alpha):
+    """D-PACE's weights for one block's drafted slots, one slot at a time (ModelOpt's
+    hf_dflash.py, speculators' losses/utils.py): q~_k = (1 - alpha) exp(-CE_k) + alpha where
+    slot k counts (1 where not), C_k their running product, w_k the sum of the counted C_j from
+    slot k on, for a counted k; no gradient through any of it."""
+    n = len(ce)
+    q = [(1 - alpha) * math.exp(-float(ce[k])) + alpha if counted[k] else 1.0 for k in range(n)]
+    c = [math.prod(q[:k + 1]) for k in range(n)]
+    return [sum(c[j] for j in range(k, n) if counted[j]) if counted[k] else 0.0
+            for k in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["ce", "soft_ce", "d-pace"])
 def test_dflash_loss_matches_a_plain_reference(kind):
     """The objective (anchors drawn at random, every block in one forward, the fused chunked
     cross-entropy) against one block at a time through the engine path and F.cross_entropy
     (to the data's token; soft_ce: to the target's distribution, its final state before the
-    position through its head): the same loss and gradients, in fp64."""
+    position through its head; d-pace: to the data's token, each slot weighted by D-PACE from
+    the block's own cross-entropies instead of exp(-(k - 1) / gamma)): the same loss and
+    gradients, in fp64."""
     m = dflash_drafter(2)
     batch = packed_batch()
     cfg = TrainConfig(method="dflash", dflash={"num_layers": 2, "block_size": 4, "anchors": 12,
-                                               "loss": kind})
+                                               "loss": kind, "dpace_alpha": 0.3})
     objective = METHODS["dflash"].objective(cfg, m.config, None, None, None, device="cpu",
                                             dtype=torch.float64, attention="reference",
                                             compile=False)
@@ -170,17 +184,23 @@ def test_dflash_loss_matches_a_plain_reference(kind):
         start = int(same[0])
         logits = engine_logits(m, batch.aux[b:b + 1, start:], batch.ids[b:b + 1, start:],
                                a - start)
+        ces, counts_here = [], []
         for k in range(1, 4):
             p = a + k
-            if p < 20 and batch.doc[b, p] == batch.doc[b, a] and batch.loss_mask[b, p]:
-                w = math.exp(-(k - 1) / 4.0)
-                if kind == "ce":
-                    target = batch.ids[b, p]
-                else:
-                    target = torch.softmax(batch.final[b, p - 1] @ m.lm_head.weight.T, -1)
-                total = total + w * F.cross_entropy(logits[k - 1], target)
-                weights += w
-                counted[k - 1] += 1
+            counts_here.append(bool(p < 20 and batch.doc[b, p] == batch.doc[b, a]
+                                    and batch.loss_mask[b, p]))
+            if kind == "soft_ce":
+                target = torch.softmax(batch.final[b, min(p, 20) - 1] @ m.lm_head.weight.T, -1)
+            else:
+                target = batch.ids[b, min(p, 19)]
+            ces.append(F.cross_entropy(logits[k - 1], target))
+        w = (dpace_weights([c.detach() for c in ces], counts_here, 0.3) if kind == "d-pace"
+             else [math.exp(-(k - 1) / 4.0) * counts_here[k - 1] for k in range(1, 4)])
+        for k in range(3):
+            if counts_here[k]:
+                total = total + w[k] * ces[k]
+                weights += w[k]
+                counted[k] += 1
     reference = total / weights
     reference.backward()
     torch.testing.assert_close(loss, reference, rtol=0, atol=1e-12)
@@ -189,6 +209,27 @@ def test_dflash_loss_matches_a_plain_reference(kind):
             torch.testing.assert_close(fast[n], p.grad, rtol=0, atol=1e-12)
     assert stats[:, 2].tolist() == counted
     assert m.lm_head.weight.grad is None and m.embed_tokens.weight.grad is None  # frozen
+
+
+def test_dpace_weights_follow_the_drafts_confidence():
+    """D-PACE's point, on the library's weights: a slot after a likely miss weighs less than
+    one after a likely hit, the first slot weighs the most (every later slot's continuation
+    counts toward it), a slot that does not count weighs 0; and the same as one slot at a
+    time on random blocks."""
+    from draftsmith.drafters.dflash import dpace_weights as weights
+
+    ce = torch.tensor([[0.1, 0.1, 0.1], [3.0, 0.1, 0.1], [0.1, 0.1, 0.1]], dtype=torch.double)
+    counted = torch.tensor([[True] * 3, [True] * 3, [True, False, True]])
+    w = weights(ce, counted, 0.5)
+    assert w[0, 0] > w[0, 1] > w[0, 2] > 0
+    assert w[1, 1] < w[0, 1] and w[1, 2] < w[0, 2] and w[2, 1] == 0
+    g = torch.Generator().manual_seed(0)
+    ce = torch.rand(5, 7, 6, generator=g, dtype=torch.double) * 4
+    counted = torch.rand(5, 7, 6, generator=g) > 0.3
+    want = [dpace_weights(ce[i, j], counted[i, j].tolist(), 0.3) for i in range(5)
+            for j in range(7)]
+    torch.testing.assert_close(weights(ce, counted, 0.3).view(35, 6),
+                               torch.tensor(want, dtype=torch.double), rtol=1e-12, atol=0)
 
 
 def test_anchors_are_response_positions_and_reproducible():

@@ -99,8 +99,9 @@ class Objective(ABC):
         """-> (loss, per-position stats (positions, 3): [mean loss, correct, counted]), all
         on the device: nothing here may wait for the GPU. seed: the draw of any random choice
         the objective makes (the step, so a resumed run draws the same). per_step_count
-        (counts) -> what to divide by instead of this batch's own counts (data parallel: the
-        global batch's over the world size)."""
+        (counts, floor=1) -> what to divide by instead of this batch's own counts (data
+        parallel: the global batch's, at least floor, over the world size; a sum of weights
+        passes a smaller floor)."""
 
 
 class Method(ABC):

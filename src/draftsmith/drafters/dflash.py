@@ -18,6 +18,8 @@ Training (the paper's objective, as SpecForge implements it): up to `anchors` ra
 per row among response positions whose next token is a response token too; each block sees
 the context strictly before its anchor (same document) and itself; hard cross-entropy to the
 data's tokens at anchor + k, weighted exp(-(k - 1) / gamma), over the sum of weights.
+`loss: d-pace` (ModelOpt 0.46's default, speculators' since 2026-08) weights each slot instead
+by how likely the draft is to get there and what follows it is worth (`dpace_weights`).
 """
 
 from __future__ import annotations
@@ -162,12 +164,27 @@ def flex_mask(anchors, keep, doc, block: int):
                              _compile=doc.is_cuda)
 
 
+def dpace_weights(ce: torch.Tensor, counted: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's slot weights (arXiv 2605.18810, as ModelOpt's hf_dflash.py and speculators'
+    losses/utils.py compute them; docs/research/dspark-peagle-dpace.md section 3), for
+    (..., slots) cross-entropies of one block's drafted slots and whether each counts:
+    q_k = (1 - alpha) exp(-CE_k) + alpha (1 where slot k does not count), the draft's smoothed
+    chance of its label; C_k = q_1 ... q_k, of reaching slot k and getting it; w_k = the sum of
+    C_j over the counted slots j >= k, for a counted k (0 otherwise). Without gradient."""
+    ce, m = ce.detach(), counted.to(ce.dtype)
+    q = torch.where(counted, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
+    c = torch.cumprod(q, -1)
+    return m * (m * c).flip(-1).cumsum(-1).flip(-1)
+
+
 class BlockObjective(Objective):
     """DFlash's loss (module docstring): cross-entropy at each block slot k >= 1, weighted
     exp(-(k - 1) / gamma), over the sum of the counted slots' weights. To the data's token
     (loss: ce, the paper's), or to the target's whole distribution for that position, its
     final state at a + k - 1 through its head (loss: soft_ce, ModelOpt's distillation; the
-    teacher's logits for every drafted slot of a batch exist at once: rows x vocab)."""
+    teacher's logits for every drafted slot of a batch exist at once: rows x vocab), or to the
+    data's token weighted by D-PACE (loss: d-pace, gamma unused; over the sum of the weights,
+    as ModelOpt normalises, so the loss stays on the cross-entropy's scale)."""
 
     def __init__(self, cfg, c: DrafterConfig, *, dtype, flex: bool, compile: bool):
         """flex: the GPU's block-sparse attention (else the dense reference)."""
@@ -175,6 +192,7 @@ class BlockObjective(Objective):
         self.positions = c.block_size - 1
         self.weights = [math.exp(-k / cfg.dflash.gamma) for k in range(self.positions)]
         self.soft = cfg.dflash.loss == "soft_ce"
+        self.dpace = cfg.dflash.dpace_alpha if cfg.dflash.loss == "d-pace" else None
         self.dtype, self.flex = dtype, flex
         if flex:
             from draftsmith.drafters.ttt_flex import _flex
@@ -230,9 +248,16 @@ class BlockObjective(Objective):
             loss, ce, agree = LinearSoftCE.apply(x, head, teacher, scale.view(B, -1), self.dtype,
                                                  False, CHUNK_ROWS, SharedGrad())
         else:
-            loss, ce, agree = LinearCE.apply(x, head, ids[..., 1:].reshape(B, -1),
-                                             scale.view(B, -1), self.dtype,
-                                             ce_chunk_rows(model.config.vocab_size))
+            row_scale = scale.view(B, -1)
+            if self.dpace is not None:  # weights from the cross-entropies LinearCE computes
+                def row_scale(ce):
+                    w = dpace_weights(ce.view_as(counted), counted, self.dpace)
+                    total = w.sum().view(1)
+                    z = (total.clamp_min(1e-12) if per_step_count is None
+                         else per_step_count(total, floor=1e-12))
+                    return (w / z).view(B, -1)
+            loss, ce, agree = LinearCE.apply(x, head, ids[..., 1:].reshape(B, -1), row_scale,
+                                             self.dtype, ce_chunk_rows(model.config.vocab_size))
         ce, agree = ce.view_as(counted), agree.view_as(counted)
         stats = torch.stack([(ce * counted).sum((0, 1)) / counts.clamp_min(1),
                              (agree & counted).sum((0, 1)).to(acc), counts.to(acc)], -1)

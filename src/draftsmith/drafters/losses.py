@@ -170,15 +170,18 @@ class LinearCE(torch.autograd.Function):
     x computed in the forward pass `chunk` rows at a time, so only one chunk's logits exist.
 
     x: (B, L, H); weight: (V, H), frozen; labels: (B, L) int64 (any id where scale is 0);
-    scale: (B, L) fp32. Returns (loss, ce, agree) as LinearSoftCE. Per chunk: one GEMM for the
-    logits, softmax minus one-hot in place in >= fp32, one GEMM for dx."""
+    scale: (B, L) fp32, or a function of the rows' cross-entropies (B, L) -> that scale (D-PACE's
+    weights: each row's dx is then computed unscaled and scaled once all are known, an
+    elementwise pass instead of a second GEMM). Returns (loss, ce, agree) as LinearSoftCE. Per
+    chunk: one GEMM for the logits, softmax minus one-hot in place in >= fp32, one GEMM for dx."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, scale, dtype, chunk):
         assert not ctx.needs_input_grad[1], "LinearCE's head is frozen"
         B, L, H = x.shape
         w = weight.to(dtype)
-        xs, lab, sc = x.to(dtype).reshape(B * L, H), labels.reshape(-1), scale.reshape(-1)
+        xs, lab = x.to(dtype).reshape(B * L, H), labels.reshape(-1)
+        sc = scale.reshape(-1) if torch.is_tensor(scale) else None  # None: known after the CE
         acc = torch.promote_types(dtype, torch.float32)
         need_dx = ctx.needs_input_grad[0]
         dx = torch.empty(B * L, H, dtype=dtype, device=x.device) if need_dx else None
@@ -193,12 +196,19 @@ class LinearCE(torch.autograd.Function):
                 lse = torch.logsumexp(g, -1)
                 c = lse - g.gather(1, y)[:, 0]
                 ce[rows], agree[rows] = c, g.argmax(-1) == y[:, 0]
-                loss += (sc[rows] * c).sum()
+                if sc is not None:
+                    loss += (sc[rows] * c).sum()
                 if need_dx:
                     g.sub_(lse[:, None]).exp_()  # softmax
                     g.scatter_add_(1, y, torch.full_like(y, -1, dtype=g.dtype))
-                    g.mul_(sc[rows, None])
+                    if sc is not None:
+                        g.mul_(sc[rows, None])
                     torch.mm(g.to(dtype), w, out=dx[rows])
+            if sc is None:
+                sc = scale(ce.view(B, L)).reshape(-1).to(acc)
+                loss = (sc * ce).sum()
+                if need_dx:
+                    dx.mul_(sc[:, None])
         ctx.save_for_backward(None if dx is None else dx.view(B, L, H))
         ctx.x_dtype = x.dtype
         ctx.mark_non_differentiable(ce, agree)

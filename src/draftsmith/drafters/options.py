@@ -33,7 +33,8 @@ class DFlashConfig(_Options):
     block_size: int = Field(4, ge=2, le=64)
     anchors: int = Field(512, ge=1)
     gamma: float = Field(4.0, gt=0)
-    loss: Literal["ce", "soft_ce"] = "ce"
+    loss: Literal["ce", "soft_ce", "d-pace"] = "ce"
+    dpace_alpha: float = Field(0.5, gt=0, le=1)  # read with loss: d-pace
 
 
 class MethodOptions(_Options):

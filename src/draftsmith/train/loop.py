@@ -180,7 +180,8 @@ class Trainer:
             # Each process divides by the global batch's counts over the world size, so the
             # gradients DDP or FSDP average are exactly the global batch's.
             loss_fn = functools.partial(
-                self.objective, per_step_count=lambda n: w.sum_(n.clone()).clamp_min(1) / w.size)
+                self.objective,
+                per_step_count=lambda n, floor=1: w.sum_(n.clone()).clamp_min(floor) / w.size)
             whole = WholeLoss(self.compute, loss_fn)
             self.parallel = (shard_over_world(whole, rt.device, rt.dtype, w) if self.fsdp
                              else data_parallel(whole, rt.device))
