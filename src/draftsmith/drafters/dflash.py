@@ -248,20 +248,24 @@ class BlockObjective(Objective):
             loss, ce, agree = LinearSoftCE.apply(x, head, teacher, scale.view(B, -1), self.dtype,
                                                  False, CHUNK_ROWS, SharedGrad())
         else:
-            row_scale = scale.view(B, -1)
-            if self.dpace is not None:  # weights from the cross-entropies LinearCE computes
-                def row_scale(ce):
-                    w = dpace_weights(ce.view_as(counted), counted, self.dpace)
-                    total = w.sum().view(1)
-                    z = (total.clamp_min(1e-12) if per_step_count is None
-                         else per_step_count(total, floor=1e-12))
-                    return (w / z).view(B, -1)
+            row_scale = (scale.view(B, -1) if self.dpace is None  # else from LinearCE's CEs
+                         else lambda ce: self.dpace_scale(ce, counted, per_step_count))
             loss, ce, agree = LinearCE.apply(x, head, ids[..., 1:].reshape(B, -1), row_scale,
                                              self.dtype, ce_chunk_rows(model.config.vocab_size))
         ce, agree = ce.view_as(counted), agree.view_as(counted)
         stats = torch.stack([(ce * counted).sum((0, 1)) / counts.clamp_min(1),
                              (agree & counted).sum((0, 1)).to(acc), counts.to(acc)], -1)
         return loss, stats.float()
+
+
+    def dpace_scale(self, ce, counted, per_step_count):
+        """Each drafted row's share of the loss under D-PACE: its weight over the weights'
+        sum (the global batch's under data parallel)."""
+        w = dpace_weights(ce.view_as(counted), counted, self.dpace)
+        total = w.sum().view(1)
+        z = (total.clamp_min(1e-12) if per_step_count is None
+             else per_step_count(total, floor=1e-12))
+        return (w / z).view(ce.shape)
 
 
 # ----------------------------------------------------------------------------- inference
