@@ -11,7 +11,9 @@
 #            (what a user's first run on a machine pays), on each of COLD_ATTENTIONS
 #   mla      the MLA layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
 #   llama8b  the Llama layer at the 8B shape, T = 16,384, flex / flash / cuDNN
-#   numerics the GPU tests: bf16 fast path vs the fp64 reference, every attention and layer
+#   numerics the GPU tests: the kernels (built with nvcc, against their references), packed
+#            attention, the fused forward, bf16 fast path vs the fp64 reference, every
+#            attention and layer
 #   specforge SpecForge's EAGLE-3 step beside ours, 8B shape, T = 2,048 and LONG (its wheel in
 #            WHEELS: pip download --no-deps specforge==0.2.0 -d .whl)
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
@@ -64,8 +66,13 @@ for part in ${PARTS:-cold mla llama8b numerics specforge docs llama}; do
                   ttt "docs${n}_llama8b" --preset "$B8" --lengths "$LONG" --docs "$n" \
                       --attentions $DOCS_ATTENTIONS
               done ;;
-        numerics) python3 -m pytest -q -p no:cacheprovider tests/test_train_fast.py \
-                      -k "gpu" > "$R/numerics.log" 2>&1
+        numerics) python3 -m pytest -q -rs --durations=15 -p no:cacheprovider \
+                      tests/test_kernels.py tests/test_packed_attention.py \
+                      tests/test_fused_forward.py "tests/test_train_fast.py::test_gpu_fast_path_matches_reference_in_bf16" \
+                      "tests/test_train_fast.py::test_gpu_bf16_layer_matches_the_fp64_reference" \
+                      tests/test_methods.py::test_gpu_dflash_objective_matches_the_fp64_reference \
+                      tests/test_speculative.py::test_generate_on_cuda_matches_the_cpu \
+                      > "$R/numerics.log" 2>&1
                   echo "numerics rc=$?" >> "$R/rc.txt" ;;
         *) echo "unknown part $part" >> "$R/rc.txt" ;;
     esac
