@@ -239,6 +239,9 @@ PARAMS = {
                             "train.dflash.loss"),
     "d-pace alpha past 1": ("train: {method: dflash, dflash: {loss: d-pace, dpace_alpha: 1.5}}\n",
                             "train.dflash.dpace_alpha"),
+    "best checkpoint of none": ("train: {select: best_acceptance, save_every: 0}\n",
+                                "train.select: best_acceptance scores each checkpoint"),
+    "unknown selection": ("train: {select: best}\n", "train.select"),
     "prompt file missing": ("generate: {source: nowhere.jsonl}\n", "nowhere.jsonl"),
     "deeply nested": ("train: " + "[" * 5000 + "]" * 5000 + "\n", None),
 }

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.benchmark import speculative
+from draftsmith import speculative
 from draftsmith.benchmark.lossless import check_greedy, check_sampled, ks_uniform, tie_tolerance
 from draftsmith.drafters.eagle3 import Eagle3Proposer
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from draftsmith import export, train
-from draftsmith.benchmark import speculative
+from draftsmith import speculative
 from draftsmith.config import BenchmarkConfig, ConfigError, ExportConfig, TrainConfig, load_config
 from draftsmith.drafters.registry import METHODS, DrafterConfig, build, method_of_export
 from draftsmith.drafters.dflash import (DFlashProposer, block_attention, context_mask, flex_mask,

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from draftsmith.benchmark import speculative
+from draftsmith import speculative
 from draftsmith.drafters.registry import DrafterConfig
 from draftsmith.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
 from draftsmith.drafters.layers import KVCache
 from draftsmith.capture import capture
-from draftsmith.benchmark.speculative import SpecStats, TargetProposer
+from draftsmith.speculative import SpecStats, TargetProposer
 
 from conftest import random_drafter as tiny_drafter
 from conftest import tiny_llama

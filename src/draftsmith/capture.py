@@ -8,7 +8,7 @@ training gets the target's distribution without storing V floats a token).
 Captured with forward pre-hooks on the decoder layers, so any decoder-only HF architecture
 works (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 with MLA...). The hidden stage stores what this
 returns (hidden/); online training (train/loop.py) and the reference speculative engine
-(benchmark/speculative.py) call it directly, so neither depends on how the hidden stage writes.
+(speculative.py) call it directly, so neither depends on how the hidden stage writes.
 
 Packed rows put samples end to end with positions that restart per sample: transformers turns
 such position ids into a block-diagonal causal mask (flex attention on a GPU skips the masked

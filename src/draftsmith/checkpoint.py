@@ -74,11 +74,17 @@ def load_drafter(drafter_dir: Path, target=None):
             f"{sorted(set(missing) - set(model.SHARED))}, unexpected {unexpected})",
             "re-run the train stage")
     if target is not None:
-        shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
-                  "lm_head.weight": target.get_output_embeddings().weight}
-        for name in model.SHARED:
-            model.get_parameter(name).data.copy_(shared[name].float())
+        attach_shared(model, target)
     return model.eval()
+
+
+def attach_shared(model, target) -> None:
+    """Give the drafter the tensors it shares with the target model (its input embedding;
+    DFlash's lm_head too), which are never saved with it."""
+    shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
+              "lm_head.weight": target.get_output_embeddings().weight}
+    for name in model.SHARED:
+        model.get_parameter(name).data.copy_(shared[name].float())
 
 
 def load_drafter_weights(model, path: Path) -> dict:

@@ -253,6 +253,20 @@ class TrainConfig(MethodOptions):
     save_every: int = Field(200, ge=0)
     log_every: int = Field(10, ge=1)
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    select: Literal["last", "best_acceptance"] = "last"
+    select_k: int = Field(3, ge=1)
+    select_samples: int = Field(32, ge=1)
+    select_new_tokens: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _selection_has_checkpoints(self):
+        if self.select == "best_acceptance" and not (self.save_every and self.eval_samples):
+            raise ValueError(
+                "train.select: best_acceptance scores each checkpoint (every train.save_every "
+                "steps) on held-out samples (train.eval_samples), and save_every is "
+                f"{self.save_every}, eval_samples {self.eval_samples}: set both above 0, or "
+                "train.select: last")
+        return self
 
     @model_validator(mode="after")
     def _method_fits(self):

@@ -28,7 +28,7 @@ from draftsmith.benchmark.lossless import check_greedy, check_sampled
 from draftsmith.prompts import builtin_prompts, load_prompts
 from draftsmith.render import prompt_text
 from draftsmith.serving.engines import ENGINES, REFERENCE
-from draftsmith.benchmark.speculative import SpecStats, generate
+from draftsmith.speculative import measure
 
 
 def held_out_prompts(cfg: BenchmarkConfig, raw_dir: Path):
@@ -53,20 +53,6 @@ def held_out_prompts(cfg: BenchmarkConfig, raw_dir: Path):
             f"({cfg.num_prompts} asked)", "lower benchmark.num_prompts or use another source")
     assert not {p.id for p in prompts} & train_ids  # the held-out guarantee, checked
     return prompts, excluded
-
-
-def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_id, temperature,
-            seed: int, desc: str) -> tuple[dict, list[list[int]]]:
-    total = SpecStats(accepted_at=[0] * k, reached=[0] * k)
-    outputs = []
-    for i, ids in enumerate(tqdm(prompts_ids, desc=desc, unit="prompt")):
-        gen = torch.Generator(model.device).manual_seed(seed * 1_000_003 + i)
-        out, stats = generate(model, proposer, ids, k=k, aux_layers=aux_layers,
-                              max_new_tokens=max_new_tokens, eos_id=eos_id,
-                              temperature=temperature, gen=gen)
-        total.add(stats)
-        outputs.append(out)
-    return total.summary(), outputs
 
 
 def random_drafter(trained, seed: int):

@@ -212,7 +212,7 @@ DEFAULT = "vllm"  # server.engine's default, and the engine of an export that na
 # Any engine's reasoning field, in the order a response is read: a server given by URL may
 # be any engine.
 REASONING_FIELDS = tuple(dict.fromkeys(f for e in ENGINES.values() for f in e.reasoning_fields))
-# What benchmark.engines may list: the in-process reference engine (benchmark/speculative.py) and the
+# What benchmark.engines may list: the in-process reference engine (speculative.py) and the
 # served engines whose acceptance can be read from them.
 REFERENCE = "reference"
 MEASURABLE = tuple(name for name, e in ENGINES.items() if e.measurable)

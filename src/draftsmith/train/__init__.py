@@ -3,7 +3,8 @@
 data.py: packed rows read lazily from the hidden shards; sources.py: where the states come
 from (stored, the target run here, or a serving engine: engine_feed.py); loop.py: device,
 steps, evaluation, each step the method's objective (drafters/, over its fused losses);
-resume.py: the checkpoints an interrupted run resumes from; parallel.py: DDP and FSDP2 under
+resume.py: the checkpoints an interrupted run resumes from; select.py: the checkpoint saved
+(the last, or the best by the reference engine's acceptance); parallel.py: DDP and FSDP2 under
 torchrun; precision.py: the bf16 working copy over fp32 master weights.
 """
 
@@ -17,6 +18,7 @@ from draftsmith.hidden_format import (check_made_as_configured, fed_by_engine,
                                      read_hidden_manifest)
 from draftsmith.target_info import TargetHead, load_target_head
 from draftsmith.train.loop import train
+from draftsmith.train.select import AcceptanceScorer, end_of_turn_id
 from draftsmith.train.sources import open_source
 
 
@@ -42,7 +44,9 @@ def run(cfg: TrainConfig, target_dir: Path, hidden_dir: Path, vocab_dir: Path, o
         check_made_as_configured(manifest, hidden_dir, hidden.mode, hidden.engine)
     head = TargetHead(*load_target_head(target_dir))
     mask = METHODS[cfg.method].mask_token(target_dir, head.config.vocab_size)
-    outputs = (vocab_dir, out_dir, ckpt_dir, curve_file, plot_file, mask)
+    scorer = AcceptanceScorer(cfg, load_target, end_of_turn_id(target_dir)) \
+        if cfg.select == "best_acceptance" else None
+    outputs = (vocab_dir, out_dir, ckpt_dir, curve_file, plot_file, mask, scorer)
     if fed_by_engine(manifest):
         return _train_from_engine(cfg, head, outputs, manifest, target_dir, hidden_dir,
                                   tokenized_dir, hidden or HiddenConfig(),

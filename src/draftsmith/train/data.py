@@ -90,6 +90,10 @@ class HiddenStore:
         aux, final = hidden_states(t)
         return aux, final, t["input_ids"].long(), t["loss_mask"].bool()
 
+    def tokens(self, i: int):
+        """-> input_ids, loss_mask of sample i, no states read."""
+        t = self._slices(i, ("input_ids", "loss_mask"))
+        return t["input_ids"].long(), t["loss_mask"].bool()
 
     def __getstate__(self):  # file handles do not cross into worker processes
         return {**self.__dict__, "_open": {}}
@@ -121,8 +125,7 @@ class TokenStore(HiddenStore):
         self.aux_layers = read_hidden_manifest(hidden_dir)["aux_layers"]
 
     def read(self, i: int):
-        t = self._slices(i, ("input_ids", "loss_mask"))
-        return None, None, t["input_ids"].long(), t["loss_mask"].bool()
+        return None, None, *self.tokens(i)
 
 
 def pack(lengths: dict[int, int], seq_len: int, rng: random.Random | None) -> list[list[int]]:

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.atomic import atomic_path
-from draftsmith.checkpoint import load_drafter_weights, save_drafter
+from draftsmith.checkpoint import drafter_state, load_drafter_weights, save_drafter
 from draftsmith.config import TrainConfig
 from draftsmith.dist import World, check_divides, split, world
 from draftsmith.drafters.options import train_problem
@@ -32,6 +32,7 @@ from draftsmith.train.data import HiddenStore, eval_steps, loader, schedule
 from draftsmith.train.parallel import PREFIX, WholeLoss, data_parallel, renamed, shard_over_world
 from draftsmith.train.precision import WorkingCopy, clip_in_optimizer
 from draftsmith.train.resume import load_checkpoint, resume_key, save_checkpoint
+from draftsmith.train.select import AcceptanceScorer, BestCheckpoint, prompt_ids
 from draftsmith.train.sources import StoredStates
 from draftsmith_kernels import soft_ce
 
@@ -225,6 +226,32 @@ class Trainer:
         set_optimizer_state_dict(module, self.opt, optim, options=whole)
         self.working.weights_from_master()
 
+    def weights(self) -> dict:
+        """The drafter's tensors as saved (all but the shared ones), whole, on the CPU, in
+        every process (under FSDP2 gathered from the shards: every process must call it). A
+        copy: training goes on changing the model's own tensors."""
+        if not self.fsdp:
+            return {k: v.clone() for k, v in drafter_state(self.model).items()}
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+
+        whole = get_model_state_dict(self.parallel, options=StateDictOptions(
+            full_state_dict=True))
+        return {k.removeprefix(PREFIX): v.detach().cpu().clone() for k, v in whole.items()
+                if k.removeprefix(PREFIX) not in self.model.SHARED}
+
+    def set_weights(self, weights: dict) -> None:
+        """The inverse of `weights` (every process, with the whole tensors)."""
+        if not self.fsdp:
+            self.model.load_state_dict(weights, strict=False)
+        else:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_model_state_dict)
+
+            set_model_state_dict(self.parallel, {PREFIX + k: v for k, v in weights.items()},
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+        self.working.weights_from_master()
+
     def saved_drafter(self):
         """The trained drafter whole, for save_drafter (under FSDP2 gathered from every
         process: all call it, the main process's copy is the one to save)."""
@@ -313,10 +340,12 @@ def step_seed(cfg: TrainConfig, step: int) -> int:
 
 def train(cfg: TrainConfig, head: TargetHead, source: StoredStates, vocab_dir: Path,
           out_dir: Path, ckpt_dir: Path, curve_file: Path | None = None,
-          plot_file: Path | None = None, mask_token_id: int | None = None) -> dict:
+          plot_file: Path | None = None, mask_token_id: int | None = None,
+          scorer: AcceptanceScorer | None = None) -> dict:
     """source: where the target's states come from (train/sources.py: stored, computed here,
     or from a serving engine). mask_token_id: the token of DFlash's masked slots
-    (dflash.mask_token_id)."""
+    (dflash.mask_token_id). scorer: with train.select: best_acceptance, what scores each
+    checkpoint (train/select.py); the best one is saved."""
     from draftsmith.vocab import load as load_vocab
 
     w = world()
@@ -333,11 +362,17 @@ def train(cfg: TrainConfig, head: TargetHead, source: StoredStates, vocab_dir: P
                                              mask_token_id), head, source.target, w,
                       vocab=(d2t, t2d))
     model = trainer.model
+    selection = None
+    if scorer is not None:
+        scorer.check(model.config)
+        scorer.start(rt.device, [p for p in (prompt_ids(*store.tokens(i)) for i in eval_ids)
+                                 if p is not None])
+        selection = BestCheckpoint()
     initial = trainer.evaluate(store, eval_ids)
 
     key = resume_key(cfg, store, vocab_dir)
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-    start, curve = load_checkpoint(Path(ckpt_dir), trainer, key)
+    start, curve = load_checkpoint(Path(ckpt_dir), trainer, key, selection)
     trainer.working.weights_from_master()
     plan: list = []
     epoch = 0
@@ -360,7 +395,8 @@ def train(cfg: TrainConfig, head: TargetHead, source: StoredStates, vocab_dir: P
             source.close()
             if source.keeps_steps_on_failure() and step > start and w.main \
                     and not trainer.fsdp:  # kept for the rerun
-                save_checkpoint(Path(ckpt_dir), *trainer.state(), step, key, curve)
+                save_checkpoint(Path(ckpt_dir), *trainer.state(), step, key, curve,
+                                selection)
             raise
         batch = batch.to(rt.device, non_blocking=True)
         loss, stats = trainer.step(batch, _lr(step, cfg), step_seed(cfg, step))
@@ -374,15 +410,22 @@ def train(cfg: TrainConfig, head: TargetHead, source: StoredStates, vocab_dir: P
             curve.append(row)
             bar.set_postfix(loss=row["loss"], acc0=row["acc_0"], **source.rates(time.time() - t0))
         bar.update(1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps \
-                and (w.main or trainer.fsdp):  # FSDP2 gathers from every process; DDP needs one
-            weights, optim = trainer.state()
-            if w.main:
-                save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            if selection is not None:  # every process: under FSDP2 all gather
+                selection.consider(step + 1, trainer, scorer)
+            if w.main or trainer.fsdp:  # FSDP2 gathers from every process; DDP needs one
+                weights, optim = trainer.state()
+                if w.main:
+                    save_checkpoint(Path(ckpt_dir), weights, optim, step + 1, key, curve,
+                                    selection)
     bar.close()
     seconds = time.time() - t0  # float(loss) above synchronised at the last step
     source.close()
     trained_tokens = int(w.sum_(tokens))
+    if selection is not None:
+        selection.consider(cfg.steps, trainer, scorer)
+        if selection.best_step != cfg.steps:
+            trainer.set_weights(selection.best)
     final = trainer.evaluate(store, eval_ids)
     drafter = trainer.saved_drafter()
     if not w.main:
@@ -409,6 +452,10 @@ def train(cfg: TrainConfig, head: TargetHead, source: StoredStates, vocab_dir: P
         "device": rt.device.type, "compute_dtype": str(rt.dtype).removeprefix("torch."),
         "attention": rt.attention,
         "hidden_mode": source.mode, "processes": w.size,
+        # train.select: the step saved, and with best_acceptance each checkpoint's score
+        "select": cfg.select,
+        "selected_step": selection.best_step if selection is not None else cfg.steps,
+        **({"selection_scores": selection.scores} if selection is not None else {}),
         # with an engine, the pair's rates: the engine's alone, and the trainer's waiting
         **source.metrics(seconds),
     }

@@ -4,7 +4,9 @@ checkpoints folder (not a DVC out: DVC would delete it before the rerun that res
 - `drafter.safetensors` (the drafter's tensors, as checkpoint.py saves them) and
   `optimizer.pt` (AdamW's state keyed by parameter name), whole, whatever the world size;
 - `state.json`: the step, the run's key, the curve so far and each file's size and sha256,
-  checked before anything is read.
+  checked before anything is read;
+- with `train.select: best_acceptance`, `best.safetensors` (the best checkpoint's drafter so
+  far) and its scores in `state.json`.
 
 A checkpoint resumes only the run it was written by (`resume_key`); any other starts over.
 """
@@ -23,6 +25,7 @@ from draftsmith.checkpoint import DRAFTER_WEIGHTS
 from draftsmith.config import TrainConfig
 
 CHECKPOINT_FILES = (DRAFTER_WEIGHTS, "optimizer.pt")
+BEST_WEIGHTS = "best.safetensors"
 
 
 def resume_key(cfg: TrainConfig, store, vocab_dir: Path) -> str:
@@ -37,19 +40,27 @@ def resume_key(cfg: TrainConfig, store, vocab_dir: Path) -> str:
 
 
 def save_checkpoint(ckpt_dir: Path, weights: dict, optim: dict, step: int, key: str,
-                    curve: list) -> None:
+                    curve: list, selection=None) -> None:
+    """selection: train.select.BestCheckpoint, with best_acceptance."""
     with atomic_path(ckpt_dir) as tmp:
         tmp.mkdir()
         save_file(weights, tmp / DRAFTER_WEIGHTS)
         torch.save(optim, tmp / "optimizer.pt")
-        digests = {f: {"bytes": (tmp / f).stat().st_size, "sha256": file_sha256(tmp / f)}
-                   for f in CHECKPOINT_FILES}
-        write_json(tmp / "state.json", {"step": step, "key": key, "curve": curve,
-                                        "files": digests})
+        files = list(CHECKPOINT_FILES)
+        state = {"step": step, "key": key, "curve": curve}
+        if selection is not None:
+            state["selection"] = selection.state()
+            if selection.best is not None:
+                save_file(selection.best, tmp / BEST_WEIGHTS)
+                files.append(BEST_WEIGHTS)
+        state["files"] = {f: {"bytes": (tmp / f).stat().st_size, "sha256": file_sha256(tmp / f)}
+                          for f in files}
+        write_json(tmp / "state.json", state)
 
 
-def load_checkpoint(ckpt_dir: Path, trainer, key: str) -> tuple[int, list]:
-    """Load the checkpoint of run `key` into trainer (train.loop.Trainer); -> (the step to go
+def load_checkpoint(ckpt_dir: Path, trainer, key: str, selection=None) -> tuple[int, list]:
+    """Load the checkpoint of run `key` into trainer (train.loop.Trainer), and its scores and
+    best weights into `selection` (a BestCheckpoint, with best_acceptance); -> (the step to go
     on from, the curve so far), or (0, []) when there is none for this run."""
     state_file = ckpt_dir / "state.json"
     if not state_file.exists():
@@ -64,4 +75,9 @@ def load_checkpoint(ckpt_dir: Path, trainer, key: str) -> tuple[int, list]:
     missing = set(trainer.model.state_dict()) - set(weights)
     assert missing == set(trainer.model.SHARED), missing
     trainer.load_state(weights, torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
+    if selection is not None and "selection" in state:
+        selection.scores = state["selection"]["scores"]
+        selection.best_step = state["selection"]["best_step"]
+        if (ckpt_dir / BEST_WEIGHTS).exists():
+            selection.best = load_file(ckpt_dir / BEST_WEIGHTS)
     return state["step"], state["curve"]

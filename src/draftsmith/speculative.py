@@ -22,6 +22,7 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from draftsmith.capture import capture
@@ -172,3 +173,19 @@ def _correction(p, q, gen) -> int:
     if residual.sum() <= 0:  # p == q exactly: any draw from p is right
         residual = p
     return int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+
+
+def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_id, temperature,
+            seed: int, desc: str) -> tuple[dict, list[list[int]]]:
+    """The drafter behind `proposer` with `model` on each prompt (token ids): the rounds'
+    summed SpecStats summary, and each prompt's output. Prompt i samples from its own seed."""
+    total = SpecStats(accepted_at=[0] * k, reached=[0] * k)
+    outputs = []
+    for i, ids in enumerate(tqdm(prompts_ids, desc=desc, unit="prompt")):
+        gen = torch.Generator(model.device).manual_seed(seed * 1_000_003 + i)
+        out, stats = generate(model, proposer, ids, k=k, aux_layers=aux_layers,
+                              max_new_tokens=max_new_tokens, eos_id=eos_id,
+                              temperature=temperature, gen=gen)
+        total.add(stats)
+        outputs.append(out)
+    return total.summary(), outputs
