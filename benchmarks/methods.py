@@ -16,7 +16,7 @@ without a drafter. Writes metrics/methods.json, plots/methods.png and a markdown
 Draft cost per verification step, counted from each drafter's config (k = drafts per step,
 tau = accepted length, so tau new positions reach the drafter each step):
 - forwards: EAGLE-3/3.1 run k chained forwards (step 0 over the tau new positions), DFlash one
-  (its block of k + 1 tokens);
+  (its block of k + 1 tokens), P-EAGLE one (the tau new positions and k - 1 mask slots);
 - FLOPs: 2 x the matmul weights each token passes through (fc, layers, head), attention left out
   (it is small at these lengths);
 - weight bytes read: what bounds a forward at batch 1 (decode is memory-bound), the sum over
@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("eagle3", "eagle3.1", "dflash")
+METHODS = ("eagle3", "eagle3.1", "dflash", "p-eagle")
 X_VALUES = (10, 30, 100)
 
 
@@ -94,6 +94,8 @@ def drafter_costs(c: dict, k: int, tau: float) -> dict:
     attn = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H  # q/k/v read the 2H input
     layer, head = attn + mlp, c["draft_vocab_size"] * H
     flops = 2 * (tau * (fc + layer) + (k - 1) * layer + k * head)
+    if c["method"] == "p-eagle":  # one forward: the new positions and k - 1 mask slots at once
+        return {"forwards": 1, "flops": flops, "bytes": 2 * (fc + layer + head)}
     return {"forwards": k, "flops": flops, "bytes": 2 * (fc + k * (layer + head))}
 
 

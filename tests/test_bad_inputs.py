@@ -242,6 +242,8 @@ PARAMS = {
     "best checkpoint of none": ("train: {select: best_acceptance, save_every: 0}\n",
                                 "train.select: best_acceptance scores each checkpoint"),
     "unknown selection": ("train: {select: best}\n", "train.select"),
+    "p-eagle deeper than trained": ("train: {method: p-eagle, ttt_steps: 2}\n",
+                                    "train.ttt_steps=2 trains P-EAGLE's first 2 depths"),
     "prompt file missing": ("generate: {source: nowhere.jsonl}\n", "nowhere.jsonl"),
     "deeply nested": ("train: " + "[" * 5000 + "]" * 5000 + "\n", None),
 }

@@ -44,7 +44,8 @@ def test_a_method_lives_in_its_wing():
     and none imports a method's module; the rest asks the Method."""
     wing = REPO / "src/draftsmith/drafters"
     methods = {m: f"drafters.{mod}" for m, mod in
-               (("eagle3", "eagle3"), ("eagle3.1", "eagle3"), ("dflash", "dflash"))}
+               (("eagle3", "eagle3"), ("eagle3.1", "eagle3"), ("dflash", "dflash"),
+                ("p-eagle", "peagle"))}
     assert set(methods) == set(METHODS)
     named = []
     for f in [*(REPO / "src/draftsmith").rglob("*.py"), *(REPO / "stages").glob("*.py")]:
@@ -142,6 +143,16 @@ def packed_batch(seed=0, B=2, T=20):
                  ids=torch.randint(0, 50, (B, T), generator=g), loss_mask=mask, doc=doc, pos=pos)
 
 
+def assert_same_loss_and_grads(m, loss, fast: dict, reference):
+    """The objective's loss and gradients (`fast`, by parameter name) are the reference's,
+    whose backward fills m's gradients, in fp64."""
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=0, atol=1e-12)
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(fast[name], p.grad, rtol=0, atol=1e-12)
+
+
 def dpace_weights(ce, counted, alpha):
     """D-PACE's weights for one block's drafted slots, one slot at a time (ModelOpt's
     hf_dflash.py, speculators' losses/utils.py): q~_k = (1 - alpha) exp(-CE_k) + alpha where
@@ -201,12 +212,7 @@ def test_dflash_loss_matches_a_plain_reference(kind):
                 total = total + w[k] * ces[k]
                 weights += w[k]
                 counted[k] += 1
-    reference = total / weights
-    reference.backward()
-    torch.testing.assert_close(loss, reference, rtol=0, atol=1e-12)
-    for n, p in m.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(fast[n], p.grad, rtol=0, atol=1e-12)
+    assert_same_loss_and_grads(m, loss, fast, total / weights)
     assert stats[:, 2].tolist() == counted
     assert m.lm_head.weight.grad is None and m.embed_tokens.weight.grad is None  # frozen
 
@@ -409,7 +415,10 @@ def test_a_method_no_engine_serves_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="(?s)method dflash with drafter_arch mla.*"
                                           "drafter_arch: llama"):
         load_config(_params(tmp_path, method="dflash", drafter_arch="mla"))
-    with pytest.raises(ConfigError, match="train.method.*'eagle3', 'eagle3.1' or 'dflash'"):
+    with pytest.raises(ConfigError, match="(?s)method p-eagle with drafter_arch mla.*"
+                                          "parallel drafting.*drafter_arch: llama"):
+        load_config(_params(tmp_path, method="p-eagle", drafter_arch="mla"))
+    with pytest.raises(ConfigError, match="train.method.*'dflash' or 'p-eagle'"):
         load_config(_params(tmp_path, method="eagle4"))
     for method in ("eagle3", "eagle3.1"):  # both served on the MLA layer
         load_config(_params(tmp_path, method=method, drafter_arch="mla"))
@@ -455,7 +464,8 @@ def trained(request, toy_target, toy_data, tmp_path_factory):
     return request.param, out, m
 
 
-METHODS_TRAINED = pytest.mark.parametrize("trained", ["eagle3.1", "dflash"], indirect=True)
+METHODS_TRAINED = pytest.mark.parametrize("trained", ["eagle3.1", "dflash", "p-eagle"],
+                                          indirect=True)
 
 
 @METHODS_TRAINED
@@ -514,12 +524,21 @@ def test_each_method_exports_what_the_engines_load(trained, toy_target, tmp_path
         assert "eagle_aux_hidden_state_layer_ids" not in c  # it would override the ids
         assert not {"lm_head.weight", "embed_tokens.weight", "d2t"} & set(t)
         assert "layers.0.self_attn.k_norm.weight" in t
+    elif method == "p-eagle":
+        assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
+        assert c["mask_token_id"] == c["pard_token"] == read_tokenizer_pad(toy_target)
+        assert t["mask_hidden"].shape == (1, 1, 3 * c["target_hidden_size"])
+        assert c["draftsmith"]["depths_trained"] == 3
+        args = export.speculative_args("vllm", tmp_path / "export/vllm", 3)
+        spec = json.loads(args[args.index("--speculative-config") + 1])
+        assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True
+        assert not (tmp_path / "export/sglang").exists() and m["sglang_aux_layer_ids"] is None
     else:
         assert c["fc_norm"] is True and c["norm_output"] is True
         assert c["draftsmith"]["speculative_method"] == "eagle3"
         assert {"fc_norm.0.weight", "fc_norm.2.weight", "lm_head.weight", "d2t"} <= set(t)
     assert m["vllm_aux_layer_ids"] in ([2, 3, 4], [1, 2, 3])
-    for engine in ("vllm", "sglang"):
+    for engine in ("vllm", "sglang") if method != "p-eagle" else ("vllm",):
         export.validate(tmp_path / "export" / engine, **_shape(toy_target))
 
 
@@ -551,11 +570,17 @@ EAGLE31_BREAKS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "trained, name, corrupt, needle",
-    [("dflash", *b) for b in DFLASH_BREAKS] + [("eagle3.1", *b) for b in EAGLE31_BREAKS],
-    ids=[f"dflash-{b[0]}" for b in DFLASH_BREAKS] + [f"eagle3.1-{b[0]}" for b in EAGLE31_BREAKS],
-    indirect=["trained"])
+PEAGLE_BREAKS = [
+    ("no_mask_hidden", lambda c, t: t.pop("mask_hidden"), "tensor mask_hidden is missing"),
+    ("no_mask_token", lambda c, t: (c.pop("mask_token_id"), c.pop("pard_token")),
+     "no mask_token_id (or pard_token)"),
+]
+BREAKS = [("dflash", b) for b in DFLASH_BREAKS] + [("eagle3.1", b) for b in EAGLE31_BREAKS] \
+    + [("p-eagle", b) for b in PEAGLE_BREAKS]
+
+
+@pytest.mark.parametrize("trained, name, corrupt, needle", [(m, *b) for m, b in BREAKS],
+                         ids=[f"{m}-{b[0]}" for m, b in BREAKS], indirect=["trained"])
 def test_a_broken_export_of_each_method_fails_clearly(trained, toy_target, tmp_path, name,
                                                       corrupt, needle):
     _, out, _ = trained
@@ -603,3 +628,144 @@ def test_the_side_by_side_command_runs_at_toy_size(tmp_path):
     assert runs["eagle3"]["draft_cost_in_eagle3_forwards"] > 3  # k forwards and fc
     assert (tmp_path / "m.png").stat().st_size > 1000
     assert (tmp_path / "m.md").read_text().count("\n") == 2 + 3
+
+
+# ----------------------------------------------------------------------------- P-EAGLE
+
+
+def peagle_drafter(depths=4, seed=0):
+    torch.manual_seed(seed)
+    c = DrafterConfig(hidden_size=32, target_hidden_size=24, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=64, vocab_size=50, draft_vocab_size=20,
+                      aux_layers=(2, 4, 5), method="p-eagle", block_size=depths,
+                      mask_token_id=MASK)
+    m = build(c).double()
+    for p in m.parameters():  # far from the identity-ish init, so errors would show
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def parallel_logits(m, aux, next_ids, depths):
+    """P-EAGLE laid out as its paper and vLLM's parallel drafting have it, apart from the TTT
+    unroll: every position's depth-0 entry (its token and target state) and every anchor's
+    depth 1..D-1 slots (the mask token, fc(mask_hidden)) in one sequence, one dense attention
+    where slot (a, d) sees (a', d') iff d' = 0 and a' <= a, or a' = a and d' <= d."""
+    T = aux.shape[1]
+    entries = [(a, d) for d in range(depths) for a in range(T)]
+    emb = m.embed_tokens.weight[[int(next_ids[0, a]) if d == 0 else MASK for a, d in entries]]
+    fused, mask_state = m.fused(aux)[0], m.fc(m.mask_hidden.reshape(1, -1))[0]
+    h = torch.stack([fused[a] if d == 0 else mask_state for a, d in entries])[None]
+    attn = m.midlayer.self_attn
+    q, k, v = attn.qkv(m.midlayer.inputs(emb[None], h),
+                       torch.tensor([a + d for a, d in entries]))
+    nh = q.shape[1]
+    k, v = (x.repeat_interleave(nh // x.shape[1], 1) for x in (k, v))
+    sees = torch.tensor([[(d2 == 0 and a2 <= a) or (a2 == a and d2 <= d) for a2, d2 in entries]
+                         for a, d in entries])
+    p = torch.softmax((q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~sees, -math.inf),
+                      -1)
+    logits = m.logits(m.midlayer.finish(p @ v, h))[0]
+    return {e: logits[i] for i, e in enumerate(entries)}
+
+
+@pytest.mark.parametrize("depths", [1, 2, 4])
+def test_peagle_training_path_is_the_parallel_forward_and_the_chain(depths):
+    """The TTT unroll with P-EAGLE's inputs against the one-sequence parallel layout, and the
+    inference chain (what the reference engine drafts with) against both, in fp64."""
+    m = peagle_drafter(depths)
+    T = 7
+    aux = torch.randn(1, T, 72, dtype=torch.double)
+    ids = torch.randint(0, 50, (1, T + depths))
+    unrolled = m(aux, ids, depths)
+    parallel = parallel_logits(m, aux, ids, depths)
+    for a in range(T):
+        chain = m.chain_logits(aux[:, :a + 1], ids, depths)
+        for d in range(depths):
+            torch.testing.assert_close(unrolled[d][0, a], parallel[(a, d)], rtol=0, atol=1e-10)
+            torch.testing.assert_close(chain[d], parallel[(a, d)], rtol=0, atol=1e-10)
+    # the drafts past depth 0 do not depend on the tokens fed: nothing is chained
+    other = ids.clone()
+    other[0, T:] = (other[0, T:] + 1) % 50
+    again = m.chain_logits(aux, other, depths)
+    for d in range(depths):
+        torch.testing.assert_close(again[d], parallel[(T - 1, d)], rtol=0, atol=1e-10)
+
+
+def test_cod_draws_chains_a_depth_at_a_time():
+    from draftsmith.drafters.peagle import cod_sample
+
+    g = torch.Generator().manual_seed(0)
+    T, depths = 60, 5
+    counted = [torch.rand(3, T - 1 - d, generator=g) > 0.2 for d in range(depths)]
+    drawn = cod_sample(counted, 0.7, 0.2, seed=4)
+    assert torch.equal(drawn[0], counted[0])  # depth 0: every counted position
+    n = counted[0].sum(1)
+    for d in range(1, depths):
+        L = counted[d].shape[1]
+        cand = drawn[d - 1][:, :L] & counted[d]
+        assert not (drawn[d] & ~cand).any()  # a chain drawn at d was drawn at d - 1
+        want = torch.minimum(((n - d) * max(0.7 ** d, 0.2)).floor().long(), cand.sum(1))
+        assert torch.equal(drawn[d].sum(1), want)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, cod_sample(counted, 0.7, 0.2, seed=4)))
+    assert not all(torch.equal(a, b) for a, b in zip(drawn, cod_sample(counted, 0.7, 0.2, 5)))
+
+
+def test_peagle_loss_is_one_mean_over_the_drawn_slots():
+    """The objective (COD's draw, the fused chunked soft cross-entropy, one mean over every
+    drawn slot) against autograd over full logits on the same draw; evaluation (no gradient)
+    counts every slot. fp64."""
+    from types import SimpleNamespace
+
+    from draftsmith.drafters.losses import target_view
+    from draftsmith.drafters.peagle import cod_sample
+
+    depths = 3
+    m = peagle_drafter(depths)
+    batch = packed_batch()
+    head = torch.randn(50, 32, dtype=torch.double)
+    d2t, t2d = torch.zeros(20, dtype=torch.long), torch.arange(50) < 20  # draft ids 0..19
+    cfg = TrainConfig(method="p-eagle", ttt_steps=depths,
+                      peagle={"down_sample_ratio": 0.6, "down_sample_ratio_min": 0.3})
+    objective = METHODS["p-eagle"].objective(cfg, m.config, SimpleNamespace(lm_head=head), d2t,
+                                             t2d, device="cpu", dtype=torch.float64,
+                                             attention="reference", compile=False)
+    loss, stats = objective(m, batch, seed=2)
+    loss.backward()
+    fast = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+    m.zero_grad()
+
+    view = target_view(batch, head, torch.arange(20), t2d)
+    T = batch.ids.shape[1]
+    counted = [view.valid[:, 1 + d:] & (batch.doc[:, :T - 1 - d] == batch.doc[:, 1 + d:])
+               for d in range(depths)]
+    drawn = cod_sample(counted, 0.6, 0.3, seed=2)
+    logits = m(batch.aux, F.pad(batch.ids[:, 1:], (0, depths + 1)), depths, doc=batch.doc,
+               pos=batch.pos)
+    total, n = 0.0, 0
+    for d in range(depths):
+        q = torch.softmax(view.logits[:, 1 + d:], -1)
+        ce = -(q * torch.log_softmax(logits[d][:, :T - 1 - d], -1)).sum(-1)
+        total = total + (ce * drawn[d]).sum()
+        n += int(drawn[d].sum())
+    assert_same_loss_and_grads(m, loss, fast, total / n)
+    assert m.mask_hidden.grad.abs().sum() > 0  # the mask slots train it
+    assert stats[:, 2].tolist() == [int(x.sum()) for x in drawn]
+    assert stats[2, 2] < stats[0, 2]  # deeper depths drawn thinner
+    with torch.no_grad():
+        _, every = objective(m, batch, seed=2)
+    assert every[:, 2].tolist() == [int(x.sum()) for x in counted]
+
+
+def test_the_cost_model_counts_p_eagle_as_one_forward():
+    """benchmarks/methods.py: P-EAGLE drafts k tokens in one forward (the same FLOPs as
+    EAGLE-3's k chained forwards, a third of the weight bytes read at k = 3)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("methods_script", REPO / "benchmarks/methods.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    c = peagle_drafter().config.to_dict()
+    pe = script.drafter_costs(c, 3, 2.5)
+    e3 = script.drafter_costs({**c, "method": "eagle3"}, 3, 2.5)
+    assert pe["forwards"] == 1 and e3["forwards"] == 3 and pe["flops"] == e3["flops"]
+    assert pe["bytes"] < e3["bytes"] / 2

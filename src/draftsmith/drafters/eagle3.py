@@ -140,17 +140,28 @@ class Eagle3Drafter(nn.Module):
         emb_qkv = F.linear(emb, w_emb)
         k0 = v0 = None
         ks, vs, out = [], [], []
+        e = emb_qkv[:, :T]
         for j in range(steps):
-            q, k, v = self.step_qkv(emb_qkv[:, j: j + T], h, pos + j, w_hidden)
+            if j > 0:
+                e, h = self.later_inputs(emb_qkv, j, T, out[-1], w_emb)
+            q, k, v = self.step_qkv(e, h, pos + j, w_hidden)
             if j == 0:
                 k0, v0 = k, v
             else:
                 ks.append(k)
                 vs.append(v)
-            prenorm = self.midlayer.finish(attend(q, k0, v0, ks, vs), h)
-            out.append(prenorm)
-            h = self.carried(prenorm)
+            out.append(self.midlayer.finish(attend(q, k0, v0, ks, vs), h))
         return out
+
+    def later_inputs(self, emb_qkv, j: int, T: int, prenorm, w_emb):
+        """Step j >= 1's projected token embeddings (B, T, ...) and input states (B, T, H):
+        the tokens after the chain's last (emb_qkv shifted by j) and what the step before
+        carries. P-EAGLE (peagle.py) feeds its mask slots instead."""
+        return emb_qkv[:, j: j + T], self.carried(prenorm)
+
+    def chain_inputs(self, token, prenorm):
+        """The inference chain's later steps: the token fed (1, 1) and the input state."""
+        return token, self.carried(prenorm)
 
     def step_qkv(self, emb_qkv, h, pos, w_hidden):
         """One draft step's attention inputs: the projected embedding half plus the projected
@@ -180,8 +191,7 @@ class Eagle3Drafter(nn.Module):
         prenorm = self.midlayer.finish(decode_attention(q[:, :, -1:], keys, values), h[:, -1:])
         out = [self.logits(prenorm)[0, -1]]
         for j in range(1, steps):
-            tok = next_token(j - 1, out[-1]).view(1, 1)
-            h = self.carried(prenorm)
+            tok, h = self.chain_inputs(next_token(j - 1, out[-1]).view(1, 1), prenorm)
             q, k, v = attn.qkv(self.midlayer.inputs(self.embed_tokens(tok), h),
                                torch.arange(n - 1 + j, n + j, device=aux.device))
             # Written past the verified length: seen by this chain's later steps, then
@@ -431,7 +441,7 @@ class Eagle3(Method):
             if key in c.get("eagle_config", {}) and key not in c:
                 problems.append(f"{key} is inside eagle_config, where vLLM does not read it "
                                 "(it reads the top level): move it up")
-        if c.get("architectures") == [self.architectures["mla"]] and engine.name == "sglang" \
+        if c.get("architectures") == [self.architectures.get("mla")] and engine.name == "sglang" \
                 and not c.get("q_lora_rank"):
             problems.append("an MLA drafter without q_lora_rank: vLLM loads it, SGLang's "
                             "Kimi-K2.5 EAGLE-3 model requires the low-rank query")

@@ -228,19 +228,28 @@ def ce_chunk_rows(vocab: int) -> int:
 
 def ttt_loss(model, batch: Batch, view: TargetView, steps: int, weights: list[float], kind: str,
              attend=None, dtype: torch.dtype = torch.float32, chunk: int = CHUNK_ROWS,
-             per_step_count=None):
+             per_step_count=None, keep=None, pooled: bool = False):
     """-> (weighted loss, per-step stats (steps, 3): [mean loss, correct, counted]), all on the
     device: nothing here waits for the GPU.
 
     Step j's loss is a mean over its counted positions. per_step_count(counts) -> what to
     divide by instead of this batch's own counts (at least 1); data parallel passes the global
-    batch's counts over the world size, so the averaged gradients are the global batch's."""
+    batch's counts over the world size, so the averaged gradients are the global batch's.
+    keep(counted) -> the positions of each step to count, of those that could (P-EAGLE's
+    sampled slots); pooled: one mean over every counted position of every step instead."""
     B, T = batch.ids.shape
     # chain t is judged at p = t + 1 + j, inside the row
     counted = [view.valid[:, 1 + j:] & (batch.doc[:, :T - 1 - j] == batch.doc[:, 1 + j:])
                for j in range(steps)]
+    if keep is not None:
+        counted = keep(counted)
     counts = torch.stack([c.sum() for c in counted])
-    divide_by = counts.clamp_min(1) if per_step_count is None else per_step_count(counts)
+    if pooled:
+        every = counts.sum().reshape(1)
+        divide_by = (every.clamp_min(1) if per_step_count is None
+                     else per_step_count(every)).expand(steps)
+    else:
+        divide_by = counts.clamp_min(1) if per_step_count is None else per_step_count(counts)
     next_ids = F.pad(batch.ids[:, 1:], (0, steps + 1))  # next_ids[t + j] = x[t + 1 + j]
     hs = model.unroll(batch.aux.to(model.fc.weight.dtype), next_ids, steps, doc=batch.doc, pos=batch.pos, attend=attend)
     acc = torch.promote_types(view.logits.dtype, torch.float32)
@@ -256,8 +265,9 @@ def ttt_loss(model, batch: Batch, view: TargetView, steps: int, weights: list[fl
                                             view.logits[:, 1 + j:], scale, dtype,
                                             kind == "kl", chunk, shared)
         total = total + loss  # weight one: see SharedGrad
-        stats.append(torch.stack([(loss.detach() / weights[j]).float(),
-                                  (agree & counted[j]).sum().float(), n.float()]))
+        mean = loss.detach() * divide_by[j] / n.clamp_min(1) if pooled \
+            else loss.detach() / weights[j]
+        stats.append(torch.stack([mean.float(), (agree & counted[j]).sum().float(), n.float()]))
     return total, torch.stack(stats)
 
 

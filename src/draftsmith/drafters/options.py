@@ -14,11 +14,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-METHOD_NAMES = ("eagle3", "eagle3.1", "dflash")
+METHOD_NAMES = ("eagle3", "eagle3.1", "dflash", "p-eagle")
 DEFAULT_METHOD = "eagle3"  # also what a drafter saved without a method is
 # The drafter layers the engines load each method with (vLLM: llama_eagle3.py and
-# deepseek_eagle3.py take EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only).
-METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflash": ("llama",)}
+# deepseek_eagle3.py take EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only;
+# parallel drafting, P-EAGLE's, reads mask_hidden in llama_eagle3.py alone).
+METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflash": ("llama",),
+                "p-eagle": ("llama",)}
+LLAMA_ONLY_WHY = {"dflash": "vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
+                            "qwen3_dflash.py",
+                  "p-eagle": "vLLM's parallel drafting loads mask_hidden in llama_eagle3.py "
+                             "only"}
 
 
 class _Options(BaseModel):
@@ -37,10 +43,18 @@ class DFlashConfig(_Options):
     dpace_alpha: float = Field(0.5, gt=0, le=1)  # read with loss: d-pace
 
 
+class PEagleConfig(_Options):
+    """train.peagle, read when train.method is p-eagle (drafters/peagle.py): COD's sampling of
+    the depths trained (train.ttt_steps of them)."""
+    down_sample_ratio: float = Field(0.7, gt=0, le=1)
+    down_sample_ratio_min: float = Field(0.2, ge=0, le=1)
+
+
 class MethodOptions(_Options):
     """The method's name and each method's own section of `train`."""
     method: Literal[METHOD_NAMES] = DEFAULT_METHOD
     dflash: DFlashConfig = DFlashConfig()
+    peagle: PEagleConfig = PEagleConfig()
 
 
 def train_problem(method: str, drafter_arch: str, attention: str) -> str | None:
@@ -48,9 +62,8 @@ def train_problem(method: str, drafter_arch: str, attention: str) -> str | None:
     if drafter_arch not in METHOD_ARCHS[method]:
         layers = " or ".join(METHOD_ARCHS[method])
         return (f"method {method} with drafter_arch {drafter_arch}: no engine serves that "
-                "(vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
-                f"qwen3_dflash.py). Set drafter_arch: {layers}, or method: eagle3 or eagle3.1 "
-                "for an MLA drafter")
+                f"({LLAMA_ONLY_WHY[method]}). Set drafter_arch: {layers}, or method: eagle3 or "
+                "eagle3.1 for an MLA drafter")
     if attention in ("flash", "cudnn") and method == "dflash":
         return (f"train.attention: {attention} runs EAGLE's TTT attention (causal within each "
                 "document); DFlash's blocks over sampled anchors need flex attention's mask. "
@@ -69,4 +82,10 @@ def k_problem(train: MethodOptions, k: int) -> tuple[str, str] | None:
                 "block size)",
                 f"set train.dflash.block_size: {k + 1}, or benchmark.num_speculative_tokens: "
                 f"{b - 1}")
+    if train.method == "p-eagle" and k > train.ttt_steps:
+        return (f"train.ttt_steps={train.ttt_steps} trains P-EAGLE's first {train.ttt_steps} "
+                f"depths, but benchmark.num_speculative_tokens={k}: the slots past them were "
+                "never trained",
+                f"set train.ttt_steps: {k}, or benchmark.num_speculative_tokens: "
+                f"{train.ttt_steps}")
     return None
