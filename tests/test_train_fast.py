@@ -184,6 +184,67 @@ def test_a_flash_style_kernel_gives_the_ttt_attention_and_its_gradients(heads, j
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+class _CudnnOnTheCpu:
+    """aten's two cuDNN attention ops as the CPU can run them (the PyTorch reference), with
+    cuDNN's output layout (heads strided, the query axis outer); `grouped`: whether it takes
+    fewer K/V heads than query heads (False: it raises, as a cuDNN without them would)."""
+
+    def __init__(self, grouped: bool):
+        self.grouped, self.calls = grouped, []
+
+    def _check(self, q, k):
+        if k.shape[1] != q.shape[1] and not self.grouped:
+            raise RuntimeError("cuDNN: heads of q and k differ")
+        self.calls.append(k.shape[1])
+
+    def forward(self, q, k, v, bias, stats, p, causal, debug, scale):
+        from draftsmith.drafters.ttt_kernels import ReferenceKernel, Segments
+
+        self._check(q, k)
+        doc = torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)
+        o, lse = ReferenceKernel().forward(q, k, v, Segments.of(doc))
+        return o.transpose(1, 2).contiguous().transpose(1, 2), lse[..., None], None
+
+    def backward(self, dout, q, k, v, out, lse, *rest, scale):
+        from draftsmith.drafters.ttt_kernels import ReferenceKernel, Segments
+
+        self._check(q, k)
+        doc = torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)
+        dq, dk, dv = ReferenceKernel().backward(dout, q, k, v, out, lse[..., 0], Segments.of(doc))
+        return dq.transpose(1, 2).contiguous().transpose(1, 2), dk, dv
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_heads", "no_grouped_heads"])
+@pytest.mark.parametrize("whole_rows", [True, False], ids=["whole_rows", "packed"])
+def test_the_cudnn_path_on_a_cpu_stand_in_for_its_kernel(monkeypatch, whole_rows, grouped):
+    """CudnnKernel's own code (rows run at once or a document at a time, the kernel's tensors
+    kept as they come, grouped K/V heads passed as they are or, where refused, repeated and
+    their gradients summed) around aten's cuDNN ops replaced by the PyTorch reference: the
+    dense TTT attention's output and gradients in float64. The GPU tests run the real kernel."""
+    import torch.distributed.tensor  # noqa: F401  (reads the aten ops when first imported)
+
+    from draftsmith.drafters.eagle3 import ttt_attention
+    from draftsmith.drafters.ttt_kernels import KernelAttention
+
+    fake = _CudnnOnTheCpu(grouped)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.forward)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward",
+                        fake.backward)
+    doc = torch.zeros(2, 16, dtype=torch.long) if whole_rows else packed_batch([6, 7], 16, rows=2).doc
+    attention = KernelAttention("cudnn")
+    q, k0, v0, ks, vs = _diagonal_case(4, 2, 8, 6, 2, doc)
+    got = attention.for_documents(doc)(q, k0, v0, ks, vs)
+    want = ttt_attention(q, k0, v0, ks, vs, doc)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    probe, leaves = torch.randn_like(want), [q, k0, v0, *ks, *vs]
+    for a, b in zip(torch.autograd.grad((got * probe).sum(), leaves),
+                    torch.autograd.grad((want * probe).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert attention.kernel.gqa is grouped
+    runs = 1 if whole_rows else 6  # 2 rows x (2 documents + padding)
+    assert fake.calls[-runs:] == [2 if grouped else 4] * runs
+
+
 @pytest.mark.parametrize("shape", [dict(nh=4, nkv=2), dict(nh=4, nkv=4, **MLA)],
                          ids=["gqa", "mla"])
 def test_the_kernel_path_trains_the_drafter_as_the_reference_does(shape):
@@ -216,13 +277,13 @@ def test_the_kernel_path_trains_the_drafter_as_the_reference_does(shape):
 
 
 @pytest.mark.parametrize("attention", ["flex", "flash"])
-def test_the_compiled_ttt_attention_compiles_once_for_every_step(monkeypatch, attention):
-    """train.compile: the TTT attention's compiled parts see the same signature at every TTT
-    step after the first (fixed_width), so they compile twice in all, not once per number of
-    diagonal keys (7 TTT steps: 7 graphs forward and 7 backward before). Counted with
-    dynamo's own counter. flex: its forward (the CPU has no flex backward), one graph without
-    diagonal keys and one with; flash (its kernel swapped for the PyTorch reference): the
-    merge and the merge's backward, once each."""
+def test_the_compiled_ttt_attention_compiles_as_often_as_it_should(monkeypatch, attention):
+    """train.compile, counted with dynamo's own counter over two training steps (the second
+    compiles nothing). flex: its graphs take minutes to compile, so it sees the same signature
+    at every TTT step after the first (fixed_width): its forward (the CPU has no flex
+    backward) compiles twice, one graph without diagonal keys and one with. A kernel (flash,
+    its kernel swapped for the PyTorch reference): the element-wise merge and its backward,
+    once per number of diagonal keys (steps - 1 each), no padded keys."""
     from torch._dynamo.testing import CompileCounter
 
     from draftsmith.config import TrainConfig
@@ -233,7 +294,8 @@ def test_the_compiled_ttt_attention_compiles_once_for_every_step(monkeypatch, at
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, backend=counter))
     m = drafter()
     batch = packed_batch([20, 15], 40)
-    objective = TTTObjective(TrainConfig(ttt_steps=5), head_for(m), m.d2t + torch.arange(VD),
+    steps = 5
+    objective = TTTObjective(TrainConfig(ttt_steps=steps), head_for(m), m.d2t + torch.arange(VD),
                              m.t2d, dtype=torch.float64, attention=attention, compile=True)
     if attention == "flash":
         objective.attend.kernel = ReferenceKernel()  # the CUDA kernel's stand-in on the CPU
@@ -243,7 +305,8 @@ def test_the_compiled_ttt_attention_compiles_once_for_every_step(monkeypatch, at
             loss, _ = objective(m, batch, seed=seed)
         if loss.requires_grad:
             loss.backward()
-    assert counter.frame_count == 2, counter.frame_count
+    assert counter.frame_count == (2 if attention == "flex" else 2 * (steps - 1)), \
+        counter.frame_count
 
 
 def test_target_view_never_needs_the_whole_vocab_at_once():
@@ -291,13 +354,13 @@ def _gpu_case(T, nh=32, nkv=8, hd=128, H=4096, I=14336, Vd=32000, seed=0, **mla)
 
 def _gpu_attend(attention: str, compile: bool, doc, steps: int = 7):
     """The train stage's TTT attention on the GPU for these documents: flex or a kernel,
-    compiled as TTTObjective compiles it (fixed_width) when asked."""
+    compiled as TTTObjective compiles it (flex with fixed_width) when asked."""
     from draftsmith.drafters.ttt_flex import FlexAttention
     from draftsmith.drafters.ttt_kernels import KernelAttention, fixed_width
 
     kind = FlexAttention(compile) if attention == "flex" else KernelAttention(attention, compile)
     attend = kind.for_documents(doc)
-    return fixed_width(attend, steps, doc.device) if compile else attend
+    return fixed_width(attend, steps, doc.device) if compile and kind.fixed_width else attend
 
 
 GPU_ATTENTIONS = ["flex", "flash", "cudnn"]

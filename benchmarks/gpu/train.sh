@@ -15,7 +15,7 @@
 #            attention, the fused forward, bf16 fast path vs the fp64 reference, every
 #            attention and layer
 #   specforge SpecForge's EAGLE-3 step beside ours, 8B shape, T = 2,048 and LONG (its wheel in
-#            WHEELS: pip download --no-deps specforge==0.2.0 -d .whl)
+#            WHEELS: pip download --no-deps specforge==0.2.0 -d .whl), each of SPECFORGE_IMPLS
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
 #   docs     packed rows (DOCS documents of LONG / DOCS tokens each, as the train stage packs
 #            them), MLA at the Kimi shape and Llama at the 8B shape, on each of DOCS_ATTENTIONS
@@ -26,6 +26,7 @@ set -uo pipefail
 KIMI=${KIMI:-kimi-k2} B8=${B8:-8b} SHORT=${SHORT:-8192} LONG=${LONG:-16384}
 ATTENTIONS=${ATTENTIONS:-flex flash cudnn} COLD_ATTENTIONS=${COLD_ATTENTIONS:-auto}
 DOCS=${DOCS:-4 16} DOCS_ATTENTIONS=${DOCS_ATTENTIONS:-cudnn flex}
+SPECFORGE_IMPLS=${SPECFORGE_IMPLS:-ours specforge specforge-compact}
 R=${1:?results folder} WHEELS=${2:-}
 mkdir -p "$R"
 R=$(cd "$R" && pwd)
@@ -57,7 +58,7 @@ for part in ${PARTS:-cold mla llama8b numerics specforge docs llama}; do
         llama) ttt llama --preset "$KIMI" --archs llama --lengths "$SHORT" "$LONG" \
                    --attentions $ATTENTIONS ;;
         specforge) python3 benchmarks/specforge_step.py --preset "$B8" --lengths 2048 "$LONG" \
-                       --impls ours specforge specforge-compact --json "$R/specforge_step.json" \
+                       --impls $SPECFORGE_IMPLS --json "$R/specforge_step.json" \
                        > "$R/specforge_step.log" 2>&1
                    echo "specforge rc=$?" >> "$R/rc.txt" ;;
         docs) for n in $DOCS; do

@@ -266,14 +266,16 @@ class TTTObjective(Objective):
 
     def attention_for(self, doc):
         """The TTT attention for a batch of these documents: attend(q, k0, v0, ks, vs); None
-        for the dense reference. Compiled, it takes the same number of diagonal keys at every
-        step after the first (fixed_width), so it compiles twice, not once per step."""
+        for the dense reference. Compiled, flex attention takes the same number of diagonal
+        keys at every step after the first (fixed_width), so it compiles twice, not once per
+        step; a kernel's merge compiles once per step (KernelAttention says why)."""
         from draftsmith.drafters.ttt_kernels import fixed_width
 
         if self.attend is None:
             return None
         attend = self.attend.for_documents(doc)
-        return fixed_width(attend, self.positions, doc.device) if self.compile else attend
+        pad = self.compile and self.attend.fixed_width
+        return fixed_width(attend, self.positions, doc.device) if pad else attend
 
     def __call__(self, model, batch, seed, per_step_count=None):
         from draftsmith.drafters.losses import target_view, ttt_loss

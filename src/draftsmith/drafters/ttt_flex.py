@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from draftsmith.drafters.ttt_kernels import diagonal_merge
+from draftsmith.drafters.ttt_kernels import allow_recompiles, diagonal_merge
 
 try:  # torch >= 2.9 returns the log-sum-exp this way; older versions through return_lse
     from torch.nn.attention.flex_attention import AuxRequest
@@ -34,13 +34,7 @@ def _flex():
     scores: right on small CPU inputs, but O(T^2) memory)."""
     global _compiled
     if _compiled is None:
-        import torch._dynamo
-
-        # One compile per (shape, number of diagonal keys); more than dynamo's default limit
-        # of 8 would fall back to eager silently and run out of memory at long context.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, 512)
+        allow_recompiles()
         _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
 
@@ -80,7 +74,11 @@ def ttt_attention_flex(q, k0, v0, ks: list, vs: list, block_mask, valid=None):
 
 class FlexAttention:
     """train.attention flex: ttt_attention_flex, compiled when asked, with the interface of
-    ttt_kernels.KernelAttention (`for_documents`)."""
+    ttt_kernels.KernelAttention (`for_documents`). Compiled, it pads every step's diagonal
+    keys to the widest (`fixed_width`): each graph holds flex attention's own, which take
+    minutes to compile."""
+
+    fixed_width = True
 
     def __init__(self, compile: bool = False):
         self.attend = compiled_ttt_attention_flex() if compile else ttt_attention_flex

@@ -55,6 +55,16 @@ def fixed_width(attend, steps: int, device):
     return call
 
 
+def allow_recompiles():
+    """One compile per (shape, number of diagonal keys): more than dynamo's default limit of 8
+    would fall back to eager silently (with flex: out of memory at long context)."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 512)
+
+
 def diagonal_merge(o0, lse0, q, ks: list, vs: list, valid=None):
     """Step-0 attention (o0 (B, nh, T, hd_v), lse0 (B, nh, T)) merged with the chain's own
     keys ks/vs (each (B, nkv, T, hd[_v]), one per step 1..j, attended at the same t only);
@@ -137,12 +147,22 @@ class _TTTAttention(torch.autograd.Function):
 
 class KernelAttention:
     """train.attention flash or cudnn: the TTT attention on that kernel, its diagonal merge
-    and the merge's backward compiled when asked (one graph each under `fixed_width`)."""
+    and the merge's backward compiled when asked.
+
+    Compiled, the merge gets a graph per number of diagonal keys (steps - 1 forward and as many
+    backward), not `fixed_width`'s one: these graphs are element-wise and compile in seconds,
+    while padding to the widest step reads, differentiates and sums 15 padded keys and values
+    over 7 TTT steps besides the 21 real ones (at T = 16,384 with MLA's 64 heads each is
+    400 MB, and the sums alone took 10 ms of a 1.2 s step). `fixed_width = True` pads anyway
+    (what flex attention, whose graphs compile in minutes, does)."""
+
+    fixed_width = False
 
     def __init__(self, kernel: str | object, compile: bool = False):
         self.kernel = KERNELS[kernel]() if isinstance(kernel, str) else kernel
         self.merge, self.merge_backward = diagonal_merge, _diagonal_backward
         if compile:
+            allow_recompiles()
             self.merge = torch.compile(diagonal_merge, dynamic=False)
             self.merge_backward = torch.compile(_diagonal_backward, dynamic=False)
 
@@ -293,7 +313,9 @@ def _lse_to_varlen(lse, B, nh, T):
 class CudnnKernel:
     """SDPA's cuDNN kernel (aten's cuDNN attention forward and backward), causal, one run of
     `Segments` at a time, all rows in one call when each row is one document. cuDNN takes
-    MLA's 192-wide queries and keys with 128-wide values as they are."""
+    MLA's 192-wide queries and keys with 128-wide values as they are, and grouped K/V heads
+    (torch passes them through: no repeated copy, their gradients summed in the kernel); one
+    that refuses them gets them repeated."""
 
     name = "cudnn"
 
@@ -311,36 +333,61 @@ class CudnnKernel:
             return [(slice(None), 0, plan.length)]
         return [(slice(r, r + 1), a, b) for r, a, b in plan.spans]
 
+    gqa = True  # grouped K/V heads passed as they are (False: this cuDNN refused them)
+
     def forward(self, q, k, v, plan):
+        try:
+            return self._forward(q, k, v, plan)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            if not self.gqa or k.shape[1] == q.shape[1]:
+                raise
+            self.gqa = False  # repeat them from now on (a copy of K and V per call)
+            return self._forward(q, k, v, plan)
+
+    def _kv(self, k, v, nh):
+        return (k, v) if self.gqa else (_repeat_heads(k, nh), _repeat_heads(v, nh))
+
+    def _forward(self, q, k, v, plan):
         B, nh, T, hd = q.shape
-        k, v = _repeat_heads(k, nh), _repeat_heads(v, nh)
-        out = q.new_empty(B, nh, T, v.shape[-1])
-        lse = torch.empty(B, nh, T, dtype=torch.float32, device=q.device)
-        for rows, a, b in self._runs(plan):
+        k, v = self._kv(k, v, nh)
+        runs = self._runs(plan)
+        if len(runs) > 1:
+            out = q.new_empty(B, nh, T, v.shape[-1])
+            lse = q.new_empty(B, nh, T, dtype=torch.promote_types(q.dtype, torch.float32))
+        for rows, a, b in runs:
             o, l, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 q[rows, :, a:b], k[rows, :, a:b], v[rows, :, a:b], None, True, 0.0, True,
                 False, scale=1.0 / math.sqrt(hd))
+            self.lse_4d = l.dim() == 4  # (.., T, 1): backward takes it back so
+            if len(runs) == 1:  # whole rows: the kernel's tensors as they are, no copy
+                return o, l.reshape(o.shape[:-1])
             out[rows, :, a:b] = o
             lse[rows, :, a:b] = l.reshape(o.shape[:-1])
-            self.lse_4d = l.dim() == 4  # (.., T, 1): backward takes it back so
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, plan):
         B, nh, T, hd = q.shape
         nkv = k.shape[1]
-        kr, vr = _repeat_heads(k, nh), _repeat_heads(v, nh)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(kr), torch.empty_like(vr)
-        lse = lse.float()
+        kr, vr = self._kv(k, v, nh)
+        runs = self._runs(plan)
+        if len(runs) > 1:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(kr), torch.empty_like(vr)
+        lse = lse.to(torch.promote_types(lse.dtype, torch.float32))  # fp32 (fp64 in tests)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
-        for rows, a, b in self._runs(plan):
+        for rows, a, b in runs:
             l = lse[rows, :, a:b]  # noqa: E741
             g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 dout[rows, :, a:b].contiguous(), q[rows, :, a:b], kr[rows, :, a:b],
                 vr[rows, :, a:b], out[rows, :, a:b].contiguous(),
                 (l.unsqueeze(-1) if self.lse_4d else l).contiguous(), seed, seed,
                 None, None, None, b - a, b - a, 0.0, True, scale=1.0 / math.sqrt(hd))
-            dq[rows, :, a:b], dk[rows, :, a:b], dv[rows, :, a:b] = g
-        if nkv != nh:  # the repeated heads' gradients summed back onto their KV head
+            if len(runs) == 1:  # whole rows: no copy into the gradients
+                dq, dk, dv = g[:3]
+            else:
+                dq[rows, :, a:b], dk[rows, :, a:b], dv[rows, :, a:b] = g
+        if dk.shape[1] != nkv:  # repeated heads' gradients summed back onto their KV head
             dk = dk.view(B, nkv, nh // nkv, T, hd).sum(2)
             dv = dv.view(B, nkv, nh // nkv, T, -1).sum(2)
         return dq, dk, dv
