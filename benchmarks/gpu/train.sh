@@ -13,7 +13,7 @@
 #   llama8b  the Llama layer at the 8B shape, T = 16,384, flex / flash / cuDNN
 #   numerics the GPU tests: the kernels (built with nvcc, against their references), packed
 #            attention, the fused forward, bf16 fast path vs the fp64 reference, every
-#            attention and layer
+#            attention and layer (NUMERICS: the pytest arguments, to run fewer)
 #   specforge SpecForge's EAGLE-3 step beside ours, 8B shape, T = 2,048 and LONG (its wheel in
 #            WHEELS: pip download --no-deps specforge==0.2.0 -d .whl), each of SPECFORGE_IMPLS
 #   llama    the Llama layer at the Kimi shape, T = 8,192 and 16,384, flex / flash / cuDNN
@@ -27,6 +27,11 @@ KIMI=${KIMI:-kimi-k2} B8=${B8:-8b} SHORT=${SHORT:-8192} LONG=${LONG:-16384}
 ATTENTIONS=${ATTENTIONS:-flex flash cudnn} COLD_ATTENTIONS=${COLD_ATTENTIONS:-auto}
 DOCS=${DOCS:-4 16} DOCS_ATTENTIONS=${DOCS_ATTENTIONS:-cudnn flex}
 SPECFORGE_IMPLS=${SPECFORGE_IMPLS:-ours specforge specforge-compact}
+NUMERICS=${NUMERICS:-tests/test_kernels.py tests/test_packed_attention.py tests/test_fused_forward.py \
+tests/test_train_fast.py::test_gpu_fast_path_matches_reference_in_bf16 \
+tests/test_train_fast.py::test_gpu_bf16_layer_matches_the_fp64_reference \
+tests/test_methods.py::test_gpu_dflash_objective_matches_the_fp64_reference \
+tests/test_speculative.py::test_generate_on_cuda_matches_the_cpu}
 R=${1:?results folder} WHEELS=${2:-}
 mkdir -p "$R"
 R=$(cd "$R" && pwd)
@@ -67,12 +72,7 @@ for part in ${PARTS:-cold mla llama8b numerics specforge docs llama}; do
                   ttt "docs${n}_llama8b" --preset "$B8" --lengths "$LONG" --docs "$n" \
                       --attentions $DOCS_ATTENTIONS
               done ;;
-        numerics) python3 -m pytest -q -rs --durations=15 -p no:cacheprovider \
-                      tests/test_kernels.py tests/test_packed_attention.py \
-                      tests/test_fused_forward.py "tests/test_train_fast.py::test_gpu_fast_path_matches_reference_in_bf16" \
-                      "tests/test_train_fast.py::test_gpu_bf16_layer_matches_the_fp64_reference" \
-                      tests/test_methods.py::test_gpu_dflash_objective_matches_the_fp64_reference \
-                      tests/test_speculative.py::test_generate_on_cuda_matches_the_cpu \
+        numerics) python3 -m pytest -q -rs --durations=15 -p no:cacheprovider $NUMERICS \
                       > "$R/numerics.log" 2>&1
                   echo "numerics rc=$?" >> "$R/rc.txt" ;;
         *) echo "unknown part $part" >> "$R/rc.txt" ;;
