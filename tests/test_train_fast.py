@@ -187,13 +187,14 @@ def test_a_flash_style_kernel_gives_the_ttt_attention_and_its_gradients(heads, j
 class _CudnnOnTheCpu:
     """aten's two cuDNN attention ops as the CPU can run them (the PyTorch reference), with
     cuDNN's output layout (heads strided, the query axis outer); `grouped`: whether it takes
-    fewer K/V heads than query heads (False: it raises, as a cuDNN without them would)."""
+    fewer K/V heads than query heads ("yes", "no", "forward only"), raising where it does not,
+    as a cuDNN without them would."""
 
-    def __init__(self, grouped: bool):
+    def __init__(self, grouped: str):
         self.grouped, self.calls = grouped, []
 
-    def _check(self, q, k):
-        if k.shape[1] != q.shape[1] and not self.grouped:
+    def _check(self, q, k, backward=False):
+        if k.shape[1] != q.shape[1] and self.grouped in ("no", "forward only" if backward else ""):
             raise RuntimeError("cuDNN: heads of q and k differ")
         self.calls.append(k.shape[1])
 
@@ -208,13 +209,13 @@ class _CudnnOnTheCpu:
     def backward(self, dout, q, k, v, out, lse, *rest, scale):
         from draftsmith.drafters.ttt_kernels import ReferenceKernel, Segments
 
-        self._check(q, k)
+        self._check(q, k, backward=True)
         doc = torch.zeros(q.shape[0], q.shape[2], dtype=torch.long)
         dq, dk, dv = ReferenceKernel().backward(dout, q, k, v, out, lse[..., 0], Segments.of(doc))
         return dq.transpose(1, 2).contiguous().transpose(1, 2), dk, dv
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_heads", "no_grouped_heads"])
+@pytest.mark.parametrize("grouped", ["yes", "no", "forward only"])
 @pytest.mark.parametrize("whole_rows", [True, False], ids=["whole_rows", "packed"])
 def test_the_cudnn_path_on_a_cpu_stand_in_for_its_kernel(monkeypatch, whole_rows, grouped):
     """CudnnKernel's own code (rows run at once or a document at a time, the kernel's tensors
@@ -240,9 +241,9 @@ def test_the_cudnn_path_on_a_cpu_stand_in_for_its_kernel(monkeypatch, whole_rows
     for a, b in zip(torch.autograd.grad((got * probe).sum(), leaves),
                     torch.autograd.grad((want * probe).sum(), leaves)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    assert attention.kernel.gqa is grouped
+    assert attention.kernel.gqa is (grouped == "yes")
     runs = 1 if whole_rows else 6  # 2 rows x (2 documents + padding)
-    assert fake.calls[-runs:] == [2 if grouped else 4] * runs
+    assert fake.calls[-runs:] == [2 if grouped == "yes" else 4] * runs
 
 
 @pytest.mark.parametrize("shape", [dict(nh=4, nkv=2), dict(nh=4, nkv=4, **MLA)],

@@ -336,15 +336,23 @@ class CudnnKernel:
     gqa = True  # grouped K/V heads passed as they are (False: this cuDNN refused them)
 
     def forward(self, q, k, v, plan):
+        return self._grouped_or_repeated(self._forward, q, k, v, plan)
+
+    def backward(self, dout, q, k, v, out, lse, plan):
+        return self._grouped_or_repeated(
+            lambda q, k, v, plan: self._backward(dout, q, k, v, out, lse, plan), q, k, v, plan)
+
+    def _grouped_or_repeated(self, call, q, k, v, plan):
+        """call(q, k, v, plan), with grouped K/V heads as they are while cuDNN takes them."""
         try:
-            return self._forward(q, k, v, plan)
+            return call(q, k, v, plan)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError:
             if not self.gqa or k.shape[1] == q.shape[1]:
                 raise
             self.gqa = False  # repeat them from now on (a copy of K and V per call)
-            return self._forward(q, k, v, plan)
+            return call(q, k, v, plan)
 
     def _kv(self, k, v, nh):
         return (k, v) if self.gqa else (_repeat_heads(k, nh), _repeat_heads(v, nh))
@@ -367,7 +375,7 @@ class CudnnKernel:
             lse[rows, :, a:b] = l.reshape(o.shape[:-1])
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, plan):
+    def _backward(self, dout, q, k, v, out, lse, plan):
         B, nh, T, hd = q.shape
         nkv = k.shape[1]
         kr, vr = self._kv(k, v, nh)
