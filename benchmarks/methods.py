@@ -16,7 +16,8 @@ without a drafter. Writes metrics/methods.json, plots/methods.png and a markdown
 Draft cost per verification step, counted from each drafter's config (k = drafts per step,
 tau = accepted length, so tau new positions reach the drafter each step):
 - forwards: EAGLE-3/3.1 run k chained forwards (step 0 over the tau new positions), DFlash one
-  (its block of k + 1 tokens), P-EAGLE one (the tau new positions and k - 1 mask slots);
+  (its block of k + 1 tokens), P-EAGLE one (the tau new positions and k - 1 mask slots), DSpark
+  one (its block of k tokens) and k Markov steps, each reading W2 (vocab x rank) once;
 - FLOPs: 2 x the matmul weights each token passes through (fc, layers, head), attention left out
   (it is small at these lengths);
 - weight bytes read: what bounds a forward at batch 1 (decode is memory-bound), the sum over
@@ -41,7 +42,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("eagle3", "eagle3.1", "dflash", "p-eagle")
+METHODS = ("eagle3", "eagle3.1", "dflash", "p-eagle", "dspark")
 X_VALUES = (10, 30, 100)
 
 
@@ -83,12 +84,15 @@ def drafter_costs(c: dict, k: int, tau: float) -> dict:
     n_aux, I = len(c["aux_layers"]), c["intermediate_size"]
     nh, nkv, hd = c["num_heads"], c["num_kv_heads"], c["head_dim"]
     fc, mlp = n_aux * Ht * H, 3 * H * I
-    if c["method"] == "dflash":
+    if c["method"] in ("dflash", "dspark"):
         attn = H * (nh + 2 * nkv) * hd + nh * hd * H
         layer, kv = attn + mlp, H * 2 * nkv * hd
         L, head = c["num_layers"], V * H  # the target's own lm_head, full vocab
-        flops = 2 * (tau * (fc + L * kv) + (k + 1) * L * layer + k * head)
-        return {"forwards": 1, "flops": flops, "bytes": 2 * (fc + L * layer + head)}
+        slots = k + 1 if c["method"] == "dflash" else k  # DSpark's anchor slot drafts too
+        markov = V * c.get("markov_rank", 0)  # DSpark: W2, read at each of the k slots
+        flops = 2 * (tau * (fc + L * kv) + slots * L * layer + k * (head + markov))
+        return {"forwards": 1, "flops": flops,
+                "bytes": 2 * (fc + L * layer + head + k * markov)}
     if c.get("arch") == "mla":
         raise SystemExit("the cost model counts Llama-layer drafters; see train_ttt.py for MLA")
     attn = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H  # q/k/v read the 2H input

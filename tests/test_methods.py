@@ -45,7 +45,7 @@ def test_a_method_lives_in_its_wing():
     wing = REPO / "src/draftsmith/drafters"
     methods = {m: f"drafters.{mod}" for m, mod in
                (("eagle3", "eagle3"), ("eagle3.1", "eagle3"), ("dflash", "dflash"),
-                ("p-eagle", "peagle"))}
+                ("p-eagle", "peagle"), ("dspark", "dspark"))}
     assert set(methods) == set(METHODS)
     named = []
     for f in [*(REPO / "src/draftsmith").rglob("*.py"), *(REPO / "stages").glob("*.py")]:
@@ -337,11 +337,12 @@ def test_dflash_lossless_and_sampling_exact():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_dflash_objective_matches_the_fp64_reference():
-    """The DFlash loss as the train stage runs it on a GPU (bf16 autocast, its layers compiled,
-    compiled flex attention under the block mask, the chunked full-vocab cross-entropy) against
-    the dense reference in float64, same weights, anchors and packed row: the loss and every
-    gradient within bf16's error."""
+@pytest.mark.parametrize("name", ["dflash", "dspark"])
+def test_gpu_dflash_objective_matches_the_fp64_reference(name):
+    """The DFlash (and DSpark) loss as the train stage runs it on a GPU (bf16 autocast, its
+    layers compiled, compiled flex attention under the block mask, the chunked full-vocab
+    terms) against the dense reference in float64, same weights, anchors and packed row: the
+    loss and every gradient within bf16's error."""
     import copy
 
     from test_train_fast import packed_batch as eagle_rows
@@ -349,15 +350,17 @@ def test_gpu_dflash_objective_matches_the_fp64_reference():
     torch.manual_seed(0)
     c = DrafterConfig(hidden_size=1024, target_hidden_size=1024, num_heads=8, num_kv_heads=2,
                       head_dim=128, intermediate_size=2048, vocab_size=8000,
-                      draft_vocab_size=8000, aux_layers=(2, 4, 5), method="dflash",
-                      num_layers=2, block_size=8, mask_token_id=7)
+                      draft_vocab_size=8000, aux_layers=(2, 4, 5), method=name,
+                      num_layers=2, block_size=8, mask_token_id=7, markov_rank=64,
+                      confidence_head=name == "dspark")
     m = build(c)
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.02)
     batch = eagle_rows([512, 300, 200], 1024, dtype=torch.bfloat16, rows=2, ht=1024,
                        vocab=8000).to("cuda")
-    cfg = TrainConfig(method="dflash", dflash={"num_layers": 2, "block_size": 8, "anchors": 64})
-    method = METHODS["dflash"]
+    cfg = TrainConfig(method=name, dflash={"num_layers": 2, "block_size": 8, "anchors": 64},
+                      dspark={"markov_rank": 64})
+    method = METHODS[name]
 
     def run(model, dtype, fast):
         model.zero_grad()
@@ -418,7 +421,10 @@ def test_a_method_no_engine_serves_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="(?s)method p-eagle with drafter_arch mla.*"
                                           "parallel drafting.*drafter_arch: llama"):
         load_config(_params(tmp_path, method="p-eagle", drafter_arch="mla"))
-    with pytest.raises(ConfigError, match="train.method.*'dflash' or 'p-eagle'"):
+    with pytest.raises(ConfigError, match="(?s)method dspark with drafter_arch mla.*"
+                                          "qwen3_dspark.py.*drafter_arch: llama"):
+        load_config(_params(tmp_path, method="dspark", drafter_arch="mla"))
+    with pytest.raises(ConfigError, match="train.method.*'p-eagle' or 'dspark'"):
         load_config(_params(tmp_path, method="eagle4"))
     for method in ("eagle3", "eagle3.1"):  # both served on the MLA layer
         load_config(_params(tmp_path, method=method, drafter_arch="mla"))
@@ -431,6 +437,9 @@ def test_a_ttt_kernel_asked_for_dflash_is_refused_naming_the_fix(tmp_path):
         with pytest.raises(ConfigError, match=f"(?s)train.attention: {kernel}.*DFlash.*"
                                               "train.attention: auto or flex"):
             load_config(_params(tmp_path, method="dflash", attention=kernel))
+        with pytest.raises(ConfigError, match=f"(?s)train.attention: {kernel}.*DSpark.*"
+                                              "train.attention: auto or flex"):
+            load_config(_params(tmp_path, method="dspark", attention=kernel))
         load_config(_params(tmp_path, method="eagle3.1", attention=kernel))
 
 
@@ -440,6 +449,11 @@ def test_a_block_the_benchmark_cannot_ask_for_is_refused(tmp_path):
                                           ".*block_size: 4"):
         load_config(f)
     load_config(f, ["benchmark.num_speculative_tokens=7"])
+    f = _params(tmp_path, method="dspark", dflash={"block_size": 4})  # every slot drafts
+    with pytest.raises(ConfigError, match="(?s)block_size=4 makes DSpark draft 4.*"
+                                          "num_speculative_tokens=3.*block_size: 3"):
+        load_config(f)
+    load_config(f, ["benchmark.num_speculative_tokens=4"])
     with pytest.raises(ConfigError, match="train.dflash.block_siz: unknown key.*block_size"):
         load_config(_params(tmp_path, method="dflash", dflash={"block_siz": 4}))
 
@@ -450,7 +464,8 @@ SHORT = TrainConfig(steps=60, seq_len=256, batch_size=2, lr=3e-3, ttt_steps=3, e
                     log_every=5, warmup_steps=5, num_workers=0, save_every=0)
 # DFlash starts further off (no head of its own to copy from the target: its states go
 # through the target's head) and takes longer to pass the same bar.
-STEPS = {"dflash": {"steps": 200}}
+STEPS = {"dflash": {"steps": 200},
+         "dspark": {"steps": 200, "dflash": {"block_size": 3}, "dspark": {"markov_rank": 16}}}
 
 
 @pytest.fixture(scope="module")
@@ -458,13 +473,14 @@ def trained(request, toy_target, toy_data, tmp_path_factory):
     """A drafter of the method given (indirect parametrization) trained on the toy's data;
     EAGLE-3 itself: test_train_export.py."""
     out = tmp_path_factory.mktemp(request.param)
-    cfg = SHORT.model_copy(update={"method": request.param, **STEPS.get(request.param, {})})
+    cfg = TrainConfig(**{**SHORT.model_dump(), "method": request.param,
+                         **STEPS.get(request.param, {})})
     m = train.run(cfg, toy_target, toy_data / "hidden", toy_data / "vocab", out / "drafter",
                   out / "ckpt", out / "curve.csv")
     return request.param, out, m
 
 
-METHODS_TRAINED = pytest.mark.parametrize("trained", ["eagle3.1", "dflash", "p-eagle"],
+METHODS_TRAINED = pytest.mark.parametrize("trained", ["eagle3.1", "dflash", "p-eagle", "dspark"],
                                           indirect=True)
 
 
@@ -476,7 +492,8 @@ def test_each_method_trains_on_the_toy(trained):
     assert acc[0] > init[0] + 0.2 and acc[0] > 0.4, (acc, init)
     saved = set(load_file(out / "drafter" / "drafter.safetensors"))
     assert "embed_tokens.weight" not in saved
-    assert ("lm_head.weight" in saved) == (method != "dflash")  # DFlash drafts with the target's
+    # DFlash and DSpark draft with the target's head
+    assert ("lm_head.weight" in saved) == (method not in ("dflash", "dspark"))
     assert json.loads((out / "drafter" / "drafter.json").read_text())["method"] == method
 
 
@@ -524,6 +541,18 @@ def test_each_method_exports_what_the_engines_load(trained, toy_target, tmp_path
         assert "eagle_aux_hidden_state_layer_ids" not in c  # it would override the ids
         assert not {"lm_head.weight", "embed_tokens.weight", "d2t"} & set(t)
         assert "layers.0.self_attn.k_norm.weight" in t
+    elif method == "dspark":  # what vLLM's qwen3_dspark.py reads, at the top level
+        assert c["architectures"] == ["Qwen3DSparkModel"] and c["model_type"] == "qwen3"
+        assert c["dflash_config"]["mask_token_id"] == read_tokenizer_pad(toy_target)
+        assert (c["block_size"], c["markov_rank"], c["markov_head_type"]) == (3, 16, "vanilla")
+        assert c["enable_confidence_head"] is c["confidence_head_with_markov"] is True
+        assert c["sample_from_anchor"] is True and c["draftsmith"]["num_speculative_tokens"] == 3
+        assert t["markov_head.markov_w1.weight"].shape == (c["vocab_size"], 16)
+        assert t["confidence_head.proj.weight"].shape == (1, c["hidden_size"] + 16)
+        assert not {"lm_head.weight", "embed_tokens.weight", "d2t"} & set(t)
+        args = export.speculative_args("vllm", tmp_path / "export/vllm", 3)
+        assert json.loads(args[args.index("--speculative-config") + 1])["method"] == "dspark"
+        assert not (tmp_path / "export/sglang").exists() and m["sglang_aux_layer_ids"] is None
     elif method == "p-eagle":
         assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
         assert c["mask_token_id"] == c["pard_token"] == read_tokenizer_pad(toy_target)
@@ -538,7 +567,7 @@ def test_each_method_exports_what_the_engines_load(trained, toy_target, tmp_path
         assert c["draftsmith"]["speculative_method"] == "eagle3"
         assert {"fc_norm.0.weight", "fc_norm.2.weight", "lm_head.weight", "d2t"} <= set(t)
     assert m["vllm_aux_layer_ids"] in ([2, 3, 4], [1, 2, 3])
-    for engine in ("vllm", "sglang") if method != "p-eagle" else ("vllm",):
+    for engine in ("vllm",) if method in ("p-eagle", "dspark") else ("vllm", "sglang"):
         export.validate(tmp_path / "export" / engine, **_shape(toy_target))
 
 
@@ -575,8 +604,18 @@ PEAGLE_BREAKS = [
     ("no_mask_token", lambda c, t: (c.pop("mask_token_id"), c.pop("pard_token")),
      "no mask_token_id (or pard_token)"),
 ]
+DSPARK_BREAKS = [
+    ("no_rank", lambda c, t: c.pop("markov_rank"), "no top-level markov_rank"),
+    ("nested_rank", lambda c, t: c["dflash_config"].update(markov_rank=c.pop("markov_rank")),
+     "markov_rank inside dflash_config"),
+    ("gated", lambda c, t: c.update(markov_head_type="gated"), "vanilla head only"),
+    ("dflash_layout", lambda c, t: c.update(sample_from_anchor=False),
+     "sample_from_anchor: false"),
+    ("no_w2", lambda c, t: t.pop("markov_head.markov_w2.weight"),
+     "tensor markov_head.markov_w2.weight is missing"),
+]
 BREAKS = [("dflash", b) for b in DFLASH_BREAKS] + [("eagle3.1", b) for b in EAGLE31_BREAKS] \
-    + [("p-eagle", b) for b in PEAGLE_BREAKS]
+    + [("p-eagle", b) for b in PEAGLE_BREAKS] + [("dspark", b) for b in DSPARK_BREAKS]
 
 
 @pytest.mark.parametrize("trained, name, corrupt, needle", [(m, *b) for m, b in BREAKS],
@@ -769,3 +808,18 @@ def test_the_cost_model_counts_p_eagle_as_one_forward():
     e3 = script.drafter_costs({**c, "method": "eagle3"}, 3, 2.5)
     assert pe["forwards"] == 1 and e3["forwards"] == 3 and pe["flops"] == e3["flops"]
     assert pe["bytes"] < e3["bytes"] / 2
+
+
+def test_the_cost_model_counts_dspark_as_dflash_plus_its_markov_steps():
+    """benchmarks/methods.py: DSpark's block of k tokens drafts k (DFlash's k + 1 drafts k), and
+    each of its k sequential Markov steps reads W2 (vocab x rank) once."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("methods_script", REPO / "benchmarks/methods.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    c = {**dflash_drafter().config.to_dict(), "method": "dspark", "markov_rank": 4}
+    ds = script.drafter_costs(c, 3, 2.5)
+    df = script.drafter_costs({**c, "method": "dflash", "markov_rank": 0}, 3, 2.5)
+    assert ds["forwards"] == df["forwards"] == 1
+    assert ds["bytes"] - df["bytes"] == 2 * 3 * 50 * 4  # bf16 W2 (50 x 4), three times

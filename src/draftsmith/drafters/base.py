@@ -42,11 +42,14 @@ class DrafterConfig:
     # EAGLE-3.1 (vLLM's llama_eagle3.py / deepseek_eagle3.py flags of the same names)
     fc_norm: bool = False  # an RMSNorm per aux state before fc
     norm_output: bool = False  # the next draft step reads the final norm's output
-    # DFlash (and P-EAGLE's block_size)
+    # DFlash and DSpark (and P-EAGLE's block_size)
     num_layers: int = 1  # decoder layers
-    block_size: int = 0  # tokens drafted at once (DFlash: after the anchor, so k + 1; P-EAGLE:
-    # the depths trained, k at most)
+    block_size: int = 0  # a block's tokens, the anchor included (DFlash drafts the k = block - 1
+    # after it, DSpark k = block, the anchor's slot too); P-EAGLE: the depths trained, k at most
     mask_token_id: int | None = None  # the target token whose embedding fills masked slots
+    # DSpark
+    markov_rank: int = 0  # the Markov head's rank (W1 (V, r), W2 (V, r))
+    confidence_head: bool = False  # a logit of each slot's acceptance from [h ; W1[prev]]
 
     def __post_init__(self):
         if self.arch not in ("llama", "mla"):

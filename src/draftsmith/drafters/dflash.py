@@ -25,6 +25,7 @@ by how likely the draft is to get there and what follows it is worth (`dpace_wei
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -201,36 +202,11 @@ class BlockObjective(Objective):
 
     def __call__(self, model, batch, seed, per_step_count=None):
         B, T = batch.ids.shape
-        blk = self.block
-        anchors, keep = sample_anchors(batch, min(self.anchors, T), seed)
-        N = anchors.shape[1]
-        at = anchors[..., None] + torch.arange(blk, device=anchors.device)  # (B, N, blk)
-
-        def gather(t):
-            return t.gather(1, at.clamp(max=T - 1).view(B, -1)).view(B, N, blk)
-
-        doc = gather(batch.doc)
-        ids = gather(batch.ids)
-        block_ids = torch.cat([ids[..., :1], torch.full_like(ids[..., 1:], self.mask_id)], -1)
-        block_pos = gather(batch.pos)[..., :1] + torch.arange(blk, device=at.device)
-        counted = (keep[..., None] & (at < T) & (doc == doc[..., :1])
-                   & gather(batch.loss_mask))[..., 1:]  # (B, N, blk - 1)
-
-        if self.flex:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            mask = flex_mask(anchors, keep, batch.doc, blk)
-            attn = self.attn or flex_attention
-            attend = lambda q, kc, vc, kb, vb: joined_attention(  # noqa: E731
-                attn, q, kc, vc, kb, vb, block_mask=mask, enable_gqa=kc.shape[1] != q.shape[1])
-        else:
-            mask = context_mask(anchors, keep, batch.doc, blk)
-            attend = lambda q, kc, vc, kb, vb: block_attention(  # noqa: E731
-                q, kc, vc, kb, vb, mask, blk)
-        ctx = model.context(batch.aux.to(model.fc.weight.dtype))
-        h = model.blocks(block_ids.view(B, -1), block_pos.view(B, -1),
-                         model.context_kv(ctx, batch.pos), attend)
-        h = h.view(B, N, blk, -1)[:, :, 1:]  # the drafted slots
+        s = block_states(self, model, batch, seed, span=self.block)
+        ids, at = s.ids, s.at
+        counted = (s.keep[..., None] & (at < T) & (s.doc == s.doc[..., :1])
+                   & s.mask)[..., 1:]  # (B, N, blk - 1)
+        h = s.h[:, :, 1:]  # the drafted slots
 
         counts = counted.sum((0, 1))  # per slot
         divide_by = counts.clamp_min(1) if per_step_count is None else per_step_count(counts)
@@ -268,6 +244,57 @@ class BlockObjective(Objective):
         return (w / z).view(ce.shape)
 
 
+@dataclass
+class BlockStates:
+    """A batch's blocks through the backbone (`block_states`): h (B, N, blk, H) the final
+    states of each anchor's block; over the `span` positions a .. a + span - 1 of each anchor:
+    ids, doc, mask (loss mask), at (the positions, unclamped: past T where a block runs off
+    the row); anchors (B, N) and keep (B, N) as `sample_anchors` gives them."""
+    h: torch.Tensor
+    ids: torch.Tensor
+    doc: torch.Tensor
+    mask: torch.Tensor
+    at: torch.Tensor
+    anchors: torch.Tensor
+    keep: torch.Tensor
+
+
+def block_states(objective: BlockObjective, model, batch, seed: int, span: int) -> BlockStates:
+    """Draw the anchors and run every block [anchor, masks] of the batch through the backbone
+    in one forward, under the objective's attention (flex's block mask, or the dense
+    reference); gather `span` positions from each anchor on (DFlash's labels lie inside the
+    block, DSpark's one past it)."""
+    B, T = batch.ids.shape
+    blk = objective.block
+    anchors, keep = sample_anchors(batch, min(objective.anchors, T), seed)
+    N = anchors.shape[1]
+    at = anchors[..., None] + torch.arange(span, device=anchors.device)  # (B, N, span)
+
+    def gather(t):
+        return t.gather(1, at.clamp(max=T - 1).view(B, -1)).view(B, N, span)
+
+    ids = gather(batch.ids)
+    block_ids = torch.cat([ids[..., :1], torch.full_like(ids[..., 1:blk], objective.mask_id)],
+                          -1)
+    block_pos = gather(batch.pos)[..., :1] + torch.arange(blk, device=at.device)
+    if objective.flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        mask = flex_mask(anchors, keep, batch.doc, blk)
+        attn = objective.attn or flex_attention
+        attend = lambda q, kc, vc, kb, vb: joined_attention(  # noqa: E731
+            attn, q, kc, vc, kb, vb, block_mask=mask, enable_gqa=kc.shape[1] != q.shape[1])
+    else:
+        mask = context_mask(anchors, keep, batch.doc, blk)
+        attend = lambda q, kc, vc, kb, vb: block_attention(  # noqa: E731
+            q, kc, vc, kb, vb, mask, blk)
+    ctx = model.context(batch.aux.to(model.fc.weight.dtype))
+    h = model.blocks(block_ids.view(B, -1), block_pos.view(B, -1),
+                     model.context_kv(ctx, batch.pos), attend)
+    return BlockStates(h.view(B, N, blk, -1), ids, gather(batch.doc), gather(batch.loss_mask),
+                       at, anchors, keep)
+
+
 # ----------------------------------------------------------------------------- inference
 
 
@@ -281,6 +308,13 @@ class DFlashProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, aux, ids, k: int, temperature: float, gen):
+        logits = self.drafter.lm_head(self.block_states(aux, ids, k)[1:])  # (k, V)
+        drafts, qs = zip(*(pick(row, temperature, gen) for row in logits))
+        return torch.stack(drafts), (None if qs[0] is None else torch.stack(qs))
+
+    def block_states(self, aux, ids, masks: int):
+        """Cache the context's new positions, then run the block [ids[-1], `masks` masks]:
+        -> its final states (1 + masks, H)."""
         d = self.drafter
         n, m = len(ids), len(aux)
         if m == n - 1:
@@ -294,12 +328,10 @@ class DFlashProposer(Proposer):
                                                                                 device=device))):
             ctx_kv.append(cache.write(start, kc, vc))
             cache.length = n - 1
-        block = torch.cat([ids[-1:], torch.full((k,), d.config.mask_token_id, device=device)])
-        h = d.blocks(block[None], torch.arange(n - 1, n + k, device=device), ctx_kv,
-                     lambda *qkv: joined_attention(decode_attention, *qkv))  # no mask
-        logits = d.lm_head(h[0, 1:])  # (k, V)
-        drafts, qs = zip(*(pick(row, temperature, gen) for row in logits))
-        return torch.stack(drafts), (None if qs[0] is None else torch.stack(qs))
+        block = torch.cat([ids[-1:], torch.full((masks,), d.config.mask_token_id,
+                                                device=device)])
+        return d.blocks(block[None], torch.arange(n - 1, n + masks, device=device), ctx_kv,
+                        lambda *qkv: joined_attention(decode_attention, *qkv))[0]  # no mask
 
 
 # ----------------------------------------------------------------------------- the method

@@ -14,17 +14,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-METHOD_NAMES = ("eagle3", "eagle3.1", "dflash", "p-eagle")
+METHOD_NAMES = ("eagle3", "eagle3.1", "dflash", "p-eagle", "dspark")
 DEFAULT_METHOD = "eagle3"  # also what a drafter saved without a method is
 # The drafter layers the engines load each method with (vLLM: llama_eagle3.py and
 # deepseek_eagle3.py take EAGLE-3 and 3.1; qwen3_dflash.py builds DFlash from Qwen3 layers only;
 # parallel drafting, P-EAGLE's, reads mask_hidden in llama_eagle3.py alone).
 METHOD_ARCHS = {"eagle3": ("llama", "mla"), "eagle3.1": ("llama", "mla"), "dflash": ("llama",),
-                "p-eagle": ("llama",)}
+                "p-eagle": ("llama",), "dspark": ("llama",)}
 LLAMA_ONLY_WHY = {"dflash": "vLLM's DFlash drafter is built of Qwen3 grouped-query layers, "
                             "qwen3_dflash.py",
                   "p-eagle": "vLLM's parallel drafting loads mask_hidden in llama_eagle3.py "
-                             "only"}
+                             "only",
+                  "dspark": "vLLM's DSpark drafter is DFlash's Qwen3 layers, qwen3_dspark.py"}
+BLOCK_METHODS = ("dflash", "dspark")  # a block of masks after an anchor: train.dflash's backbone
 
 
 class _Options(BaseModel):
@@ -50,11 +52,19 @@ class PEagleConfig(_Options):
     down_sample_ratio_min: float = Field(0.2, ge=0, le=1)
 
 
+class DSparkConfig(_Options):
+    """train.dspark, read when train.method is dspark (drafters/dspark.py); its backbone, block
+    and anchors are train.dflash's (the block's every slot drafts: k = block_size)."""
+    markov_rank: int = Field(256, ge=1)
+    confidence_head: bool = True
+
+
 class MethodOptions(_Options):
     """The method's name and each method's own section of `train`."""
     method: Literal[METHOD_NAMES] = DEFAULT_METHOD
     dflash: DFlashConfig = DFlashConfig()
     peagle: PEagleConfig = PEagleConfig()
+    dspark: DSparkConfig = DSparkConfig()
 
 
 def train_problem(method: str, drafter_arch: str, attention: str) -> str | None:
@@ -64,10 +74,10 @@ def train_problem(method: str, drafter_arch: str, attention: str) -> str | None:
         return (f"method {method} with drafter_arch {drafter_arch}: no engine serves that "
                 f"({LLAMA_ONLY_WHY[method]}). Set drafter_arch: {layers}, or method: eagle3 or "
                 "eagle3.1 for an MLA drafter")
-    if attention in ("flash", "cudnn") and method == "dflash":
+    if attention in ("flash", "cudnn") and method in BLOCK_METHODS:
         return (f"train.attention: {attention} runs EAGLE's TTT attention (causal within each "
-                "document); DFlash's blocks over sampled anchors need flex attention's mask. "
-                "Set train.attention: auto or flex")
+                f"document); {'DFlash' if method == 'dflash' else 'DSpark'}'s blocks over "
+                "sampled anchors need flex attention's mask. Set train.attention: auto or flex")
     return None
 
 
@@ -82,6 +92,12 @@ def k_problem(train: MethodOptions, k: int) -> tuple[str, str] | None:
                 "block size)",
                 f"set train.dflash.block_size: {k + 1}, or benchmark.num_speculative_tokens: "
                 f"{b - 1}")
+    if train.method == "dspark" and train.dflash.block_size != k:
+        b = train.dflash.block_size
+        return (f"train.dflash.block_size={b} makes DSpark draft {b} tokens a step (every slot "
+                f"of the block, seen at once), but benchmark.num_speculative_tokens={k}: an "
+                "engine asked for another count changes every draft",
+                f"set train.dflash.block_size: {k}, or benchmark.num_speculative_tokens: {b}")
     if train.method == "p-eagle" and k > train.ttt_steps:
         return (f"train.ttt_steps={train.ttt_steps} trains P-EAGLE's first {train.ttt_steps} "
                 f"depths, but benchmark.num_speculative_tokens={k}: the slots past them were "

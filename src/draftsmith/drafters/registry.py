@@ -7,6 +7,7 @@ The method wing (drafters/), file by file:
     eagle3.py   EAGLE-3 and EAGLE-3.1 (the same layer; 3.1 adds fc_norm and norm_output)
     dflash.py   DFlash: a block of masks after an anchor, drafted in one forward
     peagle.py   P-EAGLE: EAGLE-3 with a learned mask slot per depth, k drafts in one forward
+    dspark.py   DSpark: DFlash's block with every slot drafting, a Markov and a confidence head
     layers.py   what they are built of: norms, rotary, the GQA and MLA attentions, the MLP
     base.py     DrafterConfig (a drafter's shape, saved with it), the Method interface
     batch.py    Batch: what every objective reads (train/data.py makes them)
@@ -24,11 +25,11 @@ wing names a method. The table is explicit: imports decide each stage's code dep
 
 from __future__ import annotations
 
-from draftsmith.drafters import dflash, eagle3, peagle
+from draftsmith.drafters import dflash, dspark, eagle3, peagle
 from draftsmith.drafters.base import DrafterConfig, Method, Objective, Proposer
 
 METHODS: dict[str, Method] = {m.name: m for m in (eagle3.EAGLE3, eagle3.EAGLE31, dflash.DFLASH,
-                                                   peagle.PEAGLE)}
+                                                   peagle.PEAGLE, dspark.DSPARK)}
 
 
 def method_of(c: DrafterConfig) -> Method:
