@@ -126,6 +126,9 @@ def run_case(kind, p, T, device, iters, profile: Path | None = None, arch: str =
     try:
         # the first step compiles (cold only in a process's first case)
         timed = time_steps(step, device, iters, rows * T)
+        kernel = getattr(getattr(trainer and trainer.objective, "attend", None), "kernel", None)
+        if getattr(kernel, "name", None) == "cudnn" and m.config.num_kv_heads < m.config.num_heads:
+            timed["cudnn_grouped_heads"] = kernel.gqa  # False: cuDNN refused them, repeated
         if profile is not None:
             name = "_".join([kind] + [x for x in (arch, method, rt.attention)
                                       if x not in ("llama", "eagle3", "flex", "reference")])
