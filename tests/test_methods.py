@@ -611,6 +611,7 @@ DSPARK_BREAKS = [
     ("gated", lambda c, t: c.update(markov_head_type="gated"), "vanilla head only"),
     ("dflash_layout", lambda c, t: c.update(sample_from_anchor=False),
      "sample_from_anchor: false"),
+    ("bonus_anchor", lambda c, t: c.update(dspark_bonus_anchor=True), "dspark_bonus_anchor"),
     ("no_w2", lambda c, t: t.pop("markov_head.markov_w2.weight"),
      "tensor markov_head.markov_w2.weight is missing"),
 ]

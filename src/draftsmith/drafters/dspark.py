@@ -215,9 +215,10 @@ class DSpark(DFlash):
         if c.get("markov_head_type", "vanilla") != "vanilla":
             problems.append(f"markov_head_type {c['markov_head_type']!r}: vLLM implements the "
                             "vanilla head only")
-        if c.get("sample_from_anchor") is False:
-            problems.append("sample_from_anchor: false makes vLLM run DFlash's layout (the "
-                            "anchor not drafting), not the one this drafter was trained on")
+        if c.get("sample_from_anchor") is False or c.get("dspark_bonus_anchor"):
+            problems.append("sample_from_anchor: false (vLLM 0.32; dspark_bonus_anchor: true "
+                            "in vLLM 0.26) makes vLLM run DFlash's layout (the anchor not "
+                            "drafting), not the one this drafter was trained on")
         has_head = any(n.startswith("confidence_head.") for n in tensors)
         if has_head and not c.get("enable_confidence_head"):
             problems.append("confidence_head tensors without enable_confidence_head: vLLM "
