@@ -20,6 +20,12 @@
 #   docs     packed rows (DOCS documents of LONG / DOCS tokens each, as the train stage packs
 #            them), MLA at the Kimi shape and Llama at the 8B shape, on each of DOCS_ATTENTIONS
 # PROFILE=1: also each case's operator profile (RESULTS/profile_*.txt).
+# BASELINE=DIR: the parts mla, llama8b and llama also run DIR's code, a tree with the same
+#   layout (git archive <commit> src benchmarks/train_ttt.py benchmarks/_common | tar x -C DIR),
+#   each case right after this tree's, into RESULTS/train_ttt_<part>_baseline.json: a change
+#   measured against its parent on the same machine in the same run. DIR is an ignored path:
+#   carry it on every device call of the run (a call without it removes it from the machine's
+#   copy while the run goes on).
 # A dry run on a CPU (what it runs, at toy size; the GPU tests skip):
 #   KIMI=toy B8=toy SHORT=64 LONG=128 ATTENTIONS=auto bash benchmarks/gpu/train.sh /tmp/r
 set -uo pipefail
@@ -48,6 +54,15 @@ ttt() {  # ttt NAME ARGS...: one train_ttt.py process, its own empty inductor ca
         > "$R/train_ttt_$1.log" 2>&1
     echo "$1 rc=$?" >> "$R/rc.txt"
 }
+compare() {  # compare NAME ARGS...: ttt, then the same case on BASELINE's code if set
+    ttt "$@"
+    [[ -z ${BASELINE:-} ]] && return
+    local cache; cache=$(mktemp -d)
+    TORCHINDUCTOR_CACHE_DIR=$cache PYTHONPATH="/tmp/pyd:$BASELINE/src" \
+        python3 "$BASELINE/benchmarks/train_ttt.py" --kinds fast \
+        --json "$R/train_ttt_$1_baseline.json" "${@:2}" > "$R/train_ttt_$1_baseline.log" 2>&1
+    echo "$1_baseline rc=$?" >> "$R/rc.txt"
+}
 for part in ${PARTS:-cold mla llama8b numerics specforge docs llama}; do
     case $part in
         cold) for arch in llama mla; do
@@ -57,10 +72,10 @@ for part in ${PARTS:-cold mla llama8b numerics specforge docs llama}; do
                           --attentions "$attention" --first-step-builds
                   done
               done ;;
-        mla) ttt mla --preset "$KIMI" --archs mla --lengths "$SHORT" "$LONG" \
+        mla) compare mla --preset "$KIMI" --archs mla --lengths "$SHORT" "$LONG" \
                  --attentions $ATTENTIONS ;;
-        llama8b) ttt llama8b --preset "$B8" --lengths "$LONG" --attentions $ATTENTIONS ;;
-        llama) ttt llama --preset "$KIMI" --archs llama --lengths "$SHORT" "$LONG" \
+        llama8b) compare llama8b --preset "$B8" --lengths "$LONG" --attentions $ATTENTIONS ;;
+        llama) compare llama --preset "$KIMI" --archs llama --lengths "$SHORT" "$LONG" \
                    --attentions $ATTENTIONS ;;
         specforge) python3 benchmarks/specforge_step.py --preset "$B8" --lengths 2048 "$LONG" \
                        --impls $SPECFORGE_IMPLS --json "$R/specforge_step.json" \
