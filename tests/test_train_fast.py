@@ -231,7 +231,8 @@ def test_the_cudnn_path_on_a_cpu_stand_in_for_its_kernel(monkeypatch, whole_rows
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.forward)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward",
                         fake.backward)
-    doc = torch.zeros(2, 16, dtype=torch.long) if whole_rows else packed_batch([6, 7], 16, rows=2).doc
+    doc = (torch.zeros(2, 16, dtype=torch.long) if whole_rows
+           else packed_batch([6, 7], 16, rows=2).doc)
     attention = KernelAttention("cudnn")
     q, k0, v0, ks, vs = _diagonal_case(4, 2, 8, 6, 2, doc)
     got = attention.for_documents(doc)(q, k0, v0, ks, vs)

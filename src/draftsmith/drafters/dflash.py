@@ -207,7 +207,6 @@ class BlockObjective(Objective):
         counted = (s.keep[..., None] & (at < T) & (s.doc == s.doc[..., :1])
                    & s.mask)[..., 1:]  # (B, N, blk - 1)
         h = s.h[:, :, 1:]  # the drafted slots
-
         counts = counted.sum((0, 1))  # per slot
         divide_by = counts.clamp_min(1) if per_step_count is None else per_step_count(counts)
         acc = accum(self.dtype)

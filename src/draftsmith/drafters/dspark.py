@@ -91,12 +91,12 @@ class DSparkObjective(Objective):
 
     def __init__(self, cfg, c, *, dtype, flex: bool, compile: bool, chunk: int = 1024):
         self.blocks = BlockObjective(cfg, c, dtype=dtype, flex=flex, compile=compile)
-        self.block, self.positions, self.dtype, self.chunk = c.block_size, c.block_size, dtype, chunk
+        self.positions, self.dtype, self.chunk = c.block_size, dtype, chunk  # every slot drafts
         self.weights = [math.exp(-k / cfg.dflash.gamma) for k in range(self.positions)]
 
     def __call__(self, model, batch, seed, per_step_count=None):
         B, T = batch.ids.shape
-        s = block_states(self.blocks, model, batch, seed, span=self.block + 1)
+        s = block_states(self.blocks, model, batch, seed, span=self.positions + 1)
         labels = s.ids[..., 1:]  # (B, N, blk): slot k's label x_{a+k+1}
         counted = (s.keep[..., None] & (s.at[..., 1:] < T) & (s.doc[..., 1:] == s.doc[..., :1])
                    & s.mask[..., 1:]).cumprod(-1).bool()
