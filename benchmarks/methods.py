@@ -42,7 +42,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("eagle3", "eagle3.1", "dflash", "p-eagle", "dspark")
+sys.path.insert(0, str(REPO / "src"))
+from draftsmith.drafters.options import METHOD_NAMES as METHODS  # noqa: E402
 X_VALUES = (10, 30, 100)
 
 
@@ -79,28 +80,13 @@ def set_params(repo: Path, overrides: list[str]) -> None:
 
 def drafter_costs(c: dict, k: int, tau: float) -> dict:
     """Per verification step: forwards, FLOPs and weight bytes (bf16) of the drafter `c` (its
-    drafter.json). Counted from its shapes, as the module docstring says."""
-    H, Ht, V = c["hidden_size"], c["target_hidden_size"], c["vocab_size"]
-    n_aux, I = len(c["aux_layers"]), c["intermediate_size"]
-    nh, nkv, hd = c["num_heads"], c["num_kv_heads"], c["head_dim"]
-    fc, mlp = n_aux * Ht * H, 3 * H * I
-    if c["method"] in ("dflash", "dspark"):
-        attn = H * (nh + 2 * nkv) * hd + nh * hd * H
-        layer, kv = attn + mlp, H * 2 * nkv * hd
-        L, head = c["num_layers"], V * H  # the target's own lm_head, full vocab
-        slots = k + 1 if c["method"] == "dflash" else k  # DSpark's anchor slot drafts too
-        markov = V * c.get("markov_rank", 0)  # DSpark: W2, read at each of the k slots
-        flops = 2 * (tau * (fc + L * kv) + slots * L * layer + k * (head + markov))
-        return {"forwards": 1, "flops": flops,
-                "bytes": 2 * (fc + L * layer + head + k * markov)}
-    if c.get("arch") == "mla":
-        raise SystemExit("the cost model counts Llama-layer drafters; see train_ttt.py for MLA")
-    attn = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H  # q/k/v read the 2H input
-    layer, head = attn + mlp, c["draft_vocab_size"] * H
-    flops = 2 * (tau * (fc + layer) + (k - 1) * layer + k * head)
-    if c["method"] == "p-eagle":  # one forward: the new positions and k - 1 mask slots at once
-        return {"forwards": 1, "flops": flops, "bytes": 2 * (fc + layer + head)}
-    return {"forwards": k, "flops": flops, "bytes": 2 * (fc + k * (layer + head))}
+    drafter.json), as its method counts them (Method.draft_cost)."""
+    from draftsmith.drafters.registry import METHODS as REGISTRY
+
+    try:
+        return REGISTRY[c["method"]].draft_cost(c, k, tau)
+    except ValueError as e:
+        raise SystemExit(str(e))
 
 
 def eagle3_forward_bytes(c: dict) -> int:

@@ -78,6 +78,8 @@ def test_wrong_type_names_key_and_value(tmp_path):
      "benchmark.num_speculative_tokens"),
     ({"server": {"engine": "sglang", "speculative_config": {"draft_sample_method": "x"}}},
      "server.extra_args"),
+    ({"benchmark": {"engines": ["reference", "sglang"]}}, "has no float32 path"),
+    ({"server": {"engine": "sglang", "launch": True}}, "set target.dtype: bfloat16"),
 ])
 def test_impossible_values_fail_before_work(tmp_path, params, needle):
     with pytest.raises(ConfigError) as e:

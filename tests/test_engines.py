@@ -145,7 +145,7 @@ def test_export_writes_each_engines_keys(tmp_path):
     export.export(model, tmp_path / "x", dtype="float32")
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == sorted(NAMES)
     for name, e in ENGINES.items():
-        cfg = export._config(c, e, "float32", {})
+        cfg = export._config(c, e, "float32", {}, None)
         ids = e.layer_ids(c.aux_layers)
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
         assert ("eagle_aux_hidden_state_layer_ids" in cfg) == e.top_level_aux_ids

@@ -22,7 +22,7 @@ from draftsmith.drafters.registry import METHODS, DrafterConfig, build, method_o
 from draftsmith.drafters.dflash import (DFlashProposer, block_attention, context_mask, flex_mask,
                                         joined_attention, mask_token_id, sample_anchors)
 from draftsmith.drafters.layers import decode_attention
-from draftsmith.drafters.options import METHOD_ARCHS, METHOD_NAMES
+from draftsmith.drafters.options import METHOD_ARCHS, METHOD_ENGINES, METHOD_NAMES
 from draftsmith.errors import DraftsmithError
 from draftsmith.target_info import read_info
 from draftsmith.drafters.batch import Batch
@@ -36,6 +36,7 @@ MASK = 7
 def test_the_method_table_matches_the_config():
     assert tuple(METHODS) == METHOD_NAMES
     assert {n: tuple(m.architectures) for n, m in METHODS.items()} == METHOD_ARCHS
+    assert {n: tuple(m.engine_names) for n, m in METHODS.items()} == METHOD_ENGINES
 
 
 def test_a_method_lives_in_its_wing():
@@ -430,6 +431,17 @@ def test_a_method_no_engine_serves_is_refused_naming_the_fix(tmp_path):
         load_config(_params(tmp_path, method=method, drafter_arch="mla"))
 
 
+def test_an_engine_that_cannot_serve_the_method_is_refused_at_load(tmp_path):
+    f = _params(tmp_path, method="p-eagle")
+    with pytest.raises(ConfigError, match="(?s)benchmark.engines has sglang, which cannot serve "
+                                          "train.method p-eagle.*parallel drafting.*"
+                                          r"benchmark.engines: \[reference, vllm\]"):
+        load_config(f, ["benchmark.engines=[reference,sglang]"])
+    load_config(f, ["benchmark.engines=[reference,vllm]"])
+    load_config(_params(tmp_path, method="dspark", dflash={"block_size": 3}),
+                ["benchmark.engines=[reference,sglang]", "target.dtype=bfloat16"])
+
+
 def test_a_ttt_kernel_asked_for_dflash_is_refused_naming_the_fix(tmp_path):
     """train.attention flash and cudnn run EAGLE's TTT attention; DFlash's anchored blocks
     need flex attention's mask."""
@@ -552,7 +564,20 @@ def test_each_method_exports_what_the_engines_load(trained, toy_target, tmp_path
         assert not {"lm_head.weight", "embed_tokens.weight", "d2t"} & set(t)
         args = export.speculative_args("vllm", tmp_path / "export/vllm", 3)
         assert json.loads(args[args.index("--speculative-config") + 1])["method"] == "dspark"
-        assert not (tmp_path / "export/sglang").exists() and m["sglang_aux_layer_ids"] is None
+        # SGLang 0.5.17's DSPARK: gamma = the block's k, the verify window k + 1
+        args = export.speculative_args("sglang", tmp_path / "export/sglang", 3)
+        assert args[args.index("--speculative-algorithm") + 1] == "DSPARK"
+        assert args[args.index("--speculative-num-draft-tokens") + 1] == "4"
+        assert "--speculative-num-steps" not in args
+        sgl = json.loads((tmp_path / "export/sglang/config.json").read_text())
+        assert m["sglang_aux_layer_ids"] == sgl["dflash_config"]["target_layer_ids"]
+        # SGLang sizes the context from it (else from the draft's own layer count)
+        assert sgl["num_target_layers"] == _shape(toy_target)["target_num_layers"]
+        bad = shutil.copytree(tmp_path / "export/sglang", tmp_path / "no_head_type")
+        sgl.pop("markov_head_type")
+        (bad / "config.json").write_text(json.dumps(sgl))
+        with pytest.raises(DraftsmithError, match="SGLang refuses a DSpark config without"):
+            export.validate(bad, **_shape(toy_target))
     elif method == "p-eagle":
         assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
         assert c["mask_token_id"] == c["pard_token"] == read_tokenizer_pad(toy_target)
@@ -567,7 +592,7 @@ def test_each_method_exports_what_the_engines_load(trained, toy_target, tmp_path
         assert c["draftsmith"]["speculative_method"] == "eagle3"
         assert {"fc_norm.0.weight", "fc_norm.2.weight", "lm_head.weight", "d2t"} <= set(t)
     assert m["vllm_aux_layer_ids"] in ([2, 3, 4], [1, 2, 3])
-    for engine in ("vllm",) if method in ("p-eagle", "dspark") else ("vllm", "sglang"):
+    for engine in ("vllm",) if method == "p-eagle" else ("vllm", "sglang"):
         export.validate(tmp_path / "export" / engine, **_shape(toy_target))
 
 
@@ -588,6 +613,8 @@ DFLASH_BREAKS = [  # (the method's export, a break, what validate says)
      "overrides dflash_config.target_layer_ids"),
     ("k_norm", lambda c, t: t.pop("layers.0.self_attn.k_norm.weight"),
      "tensor layers.0.self_attn.k_norm.weight is missing"),
+    ("target_layers", lambda c, t: c.update(num_target_layers=2),
+     "num_target_layers=2 but the target has"),
     ("layers_count", lambda c, t: c.update(num_hidden_layers=2),
      "tensor layers.1.self_attn.q_proj.weight is missing"),
 ]
@@ -608,7 +635,7 @@ DSPARK_BREAKS = [
     ("no_rank", lambda c, t: c.pop("markov_rank"), "no top-level markov_rank"),
     ("nested_rank", lambda c, t: c["dflash_config"].update(markov_rank=c.pop("markov_rank")),
      "markov_rank inside dflash_config"),
-    ("gated", lambda c, t: c.update(markov_head_type="gated"), "vanilla head only"),
+    ("gated", lambda c, t: c.update(markov_head_type="gated"), "has the vanilla head"),
     ("dflash_layout", lambda c, t: c.update(sample_from_anchor=False),
      "sample_from_anchor: false"),
     ("bonus_anchor", lambda c, t: c.update(dspark_bonus_anchor=True), "dspark_bonus_anchor"),

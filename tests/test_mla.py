@@ -82,6 +82,9 @@ def test_mla_toy_config_is_what_vllm_needs(deepseek_dir):
         deepseek_dir / "model.safetensors")
     # vLLM's DeepSeek model has no tied lm_head: the checkpoint must carry its own.
     assert c["tie_word_embeddings"] is False
+    # SGLang's DeepSeek model reads it (DeepSeek-V3's own config.json has it, transformers'
+    # class not): without it SGLang 0.5.17 fails to build the target
+    assert c["moe_layer_freq"] == 1
     assert "lm_head.weight" in load_file(deepseek_dir / "model.safetensors")
     assert c["first_k_dense_replace"] == 1 and c["n_routed_experts"] == 8
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draftsmith.chat_format import FORMATS
-from draftsmith.drafters.options import MethodOptions, k_problem, train_problem
+from draftsmith.drafters.options import MethodOptions, engine_problem, k_problem, train_problem
 from draftsmith.errors import ConfigError
 
 EMBEDDED = "embedded"
@@ -436,9 +436,19 @@ def check_static(cfg: Config) -> None:
         raise ConfigError(
             f"hidden.engine is '{cfg.hidden.engine}' but server.engine is '{cfg.server.engine}'",
             f"set server.engine: {cfg.hidden.engine} (hidden states are captured in vLLM only)")
-    k_wrong = k_problem(cfg.train, cfg.benchmark.num_speculative_tokens)
-    if k_wrong:
-        raise ConfigError(*k_wrong)
+    for wrong in (k_problem(cfg.train, cfg.benchmark.num_speculative_tokens),
+                  engine_problem(cfg.train.method, cfg.benchmark.engines)):
+        if wrong:
+            raise ConfigError(*wrong)
+    launches_sglang = not cfg.server.urls and ("sglang" in cfg.benchmark.engines or (
+        cfg.server.engine == "sglang" and cfg.server.launch))
+    if cfg.target.dtype == "float32" and launches_sglang:
+        raise ConfigError(
+            "SGLang would be launched on the target in float32, which it cannot run: its RMSNorm "
+            "kernel (sgl-kernel, SGLang 0.5.17) has no float32 path and the server dies at start "
+            "(\"rmsnorm ... failed to dispatch data type Float\", seen on a GPU)",
+            "set target.dtype: bfloat16 to serve through SGLang, or serve with vLLM "
+            "(server.engine: vllm, benchmark.engines: [reference, vllm])")
     emb = cfg.target.embedded
     if cfg.target.is_embedded:
         needed = cfg.generate.max_new_tokens + 96

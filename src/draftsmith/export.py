@@ -47,7 +47,8 @@ def speculative_args(engine: str, draft_dir: Path, k: int, more: dict | None = N
                               {**method.speculative_config.get(e.name, {}), **(more or {})})
 
 
-def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> dict:
+def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict,
+            target_num_layers: int | None) -> dict:
     method = method_of(c)
     own = method.export_config(c, engine)
     return {
@@ -61,6 +62,10 @@ def _config(c: DrafterConfig, engine: Engine, dtype: str, provenance: dict) -> d
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
         "target_hidden_size": c.target_hidden_size,
+        # SGLang's DFlash and DSpark size their context from it, and without it take the
+        # draft's own layer count ("target_layer_ids contains an out-of-range layer id", seen
+        # live on 0.5.17); the other loaders ignore it
+        **({"num_target_layers": target_num_layers} if target_num_layers else {}),
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "draftsmith": {
@@ -83,7 +88,7 @@ def served_by(c: DrafterConfig) -> list[Engine]:
 
 
 def export(model, out_dir: Path, *, dtype: str = "bfloat16",
-           provenance: dict | None = None) -> None:
+           provenance: dict | None = None, target_num_layers: int | None = None) -> None:
     """Write out_dir/<engine> for each engine that serves the method (out_dir/vllm,
     out_dir/sglang)."""
     tensors = drafter_state(model, getattr(torch, dtype))
@@ -92,7 +97,8 @@ def export(model, out_dir: Path, *, dtype: str = "bfloat16",
             d = tmp / engine.name
             d.mkdir(parents=True)
             save_file(tensors, d / "model.safetensors")
-            write_json(d / "config.json", _config(model.config, engine, dtype, provenance or {}))
+            write_json(d / "config.json", _config(model.config, engine, dtype, provenance or {},
+                                                  target_num_layers))
 
 
 # ----------------------------------------------------------------------------- validate
@@ -127,6 +133,9 @@ def validate(export_dir: Path, *, target_num_layers: int, target_hidden_size: in
                       ("hidden_size", target_hidden_size)):
         if c.get(key) != want:
             problems.append(f"config {key}={c.get(key)} but the target has {want}")
+    if c.get("num_target_layers", target_num_layers) != target_num_layers:
+        problems.append(f"config num_target_layers={c['num_target_layers']} but the target has "
+                        f"{target_num_layers} layers")
     problems += method.check_export(c, t, engine, target_num_layers)
     try:
         shapes = method.expected_shapes(c)
@@ -210,7 +219,7 @@ def run(cfg, target_dir: Path, drafter_dir: Path, out_dir: Path) -> dict:
 
     info = read_info(target_dir)
     model = load_drafter(drafter_dir)
-    export(model, out_dir, dtype=cfg.dtype, provenance={
+    export(model, out_dir, dtype=cfg.dtype, target_num_layers=info.num_layers, provenance={
         "target": {"model": info.model, "revision": info.revision, "kind": info.kind}})
     out = {}
     engines = [e.name for e in served_by(model.config)]

@@ -174,6 +174,14 @@ class Method(ABC):
     def check_k(self, c: DrafterConfig, k: int) -> None:
         """Raise DraftsmithError if this drafter cannot propose k tokens a step as trained."""
 
+    @abstractmethod
+    def draft_cost(self, c: dict, k: int, tau: float) -> dict:
+        """What drafting k tokens costs per verification step at acceptance length tau (so tau
+        new positions reach the drafter each step), from its drafter.json `c`: forwards, FLOPs
+        (2 x the matmul weights each token passes through; attention left out, small at these
+        lengths) and bytes (the bf16 weights a step reads: what bounds a forward at batch 1).
+        benchmarks/methods.py turns it into the implied speed-up."""
+
     # --- export
     @abstractmethod
     def export_config(self, c: DrafterConfig, engine: Engine) -> dict:

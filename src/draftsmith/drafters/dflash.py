@@ -388,6 +388,21 @@ class DFlash(Method):
                 f"set benchmark.num_speculative_tokens: {c.block_size - 1}, or train with "
                 f"train.dflash.block_size: {k + 1}")
 
+    def draft_cost(self, c, k, tau) -> dict:
+        return self._block_cost(c, k, tau, slots=k + 1, markov=0)  # the anchor and k masks
+
+    @staticmethod
+    def _block_cost(c: dict, k: int, tau: float, slots: int, markov: int) -> dict:
+        """One forward over a block of `slots` (the context's K/V for the tau new positions),
+        k drafts through the target's head, each also reading `markov` weights."""
+        H, V, L = c["hidden_size"], c["vocab_size"], c["num_layers"]
+        nh, nkv, hd = c["num_heads"], c["num_kv_heads"], c["head_dim"]
+        fc = len(c["aux_layers"]) * c["target_hidden_size"] * H
+        layer = H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * c["intermediate_size"]
+        kv, head = H * 2 * nkv * hd, V * H  # the target's own lm_head, full vocab
+        flops = 2 * (tau * (fc + L * kv) + slots * L * layer + k * (head + markov))
+        return {"forwards": 1, "flops": flops, "bytes": 2 * (fc + L * layer + head + k * markov)}
+
     def export_config(self, c, engine) -> dict:
         return {
             "model_type": "qwen3", "num_hidden_layers": c.num_layers,

@@ -156,7 +156,9 @@ class DSparkProposer(DFlashProposer):
 class DSpark(DFlash):
     name, label = "dspark", "DSpark"
     architectures = {"llama": "Qwen3DSparkModel"}  # vLLM's qwen3_dspark.py (Qwen3 layers)
-    engine_names = {"vllm": "dspark"}  # SGLang 0.5.17 has no DSpark
+    # SGLang 0.5.17: models/dspark.py (the same class name and tensors; its confidence head is
+    # built only outside the default SGLANG_RAGGED_VERIFY_MODE=static, else its weights skipped)
+    engine_names = {"vllm": "dspark", "sglang": "DSPARK"}
     reference = "deepseek-ai/DeepSpec; vLLM qwen3_dspark.py, v1/worker/gpu/spec_decode/dspark"
 
     def config_fields(self, cfg, target_config, mask_token_id) -> dict:
@@ -185,10 +187,18 @@ class DSpark(DFlash):
                 f"set benchmark.num_speculative_tokens: {c.block_size}, or train with "
                 f"train.dflash.block_size: {k}")
 
+    def draft_cost(self, c, k, tau) -> dict:
+        # every slot of its block of k drafts (the anchor's too), and each of the k sequential
+        # Markov steps reads W2 (vocab x rank)
+        return self._block_cost(c, k, tau, slots=k, markov=c["vocab_size"] * c["markov_rank"])
+
     def export_config(self, c, engine) -> dict:
         out = super().export_config(c, engine)
         # vLLM's qwen3_dspark.py reads these at the top level (a trainer that writes them
-        # inside dflash_config, as SpecForge does, leaves vLLM without markov_rank)
+        # inside dflash_config, as SpecForge does, leaves vLLM without markov_rank); SGLang
+        # reads them there too (dspark_config.py: dspark_* keys, then dspark_config, then the
+        # top level), its gamma is the top-level block_size and it refuses a config without
+        # markov_head_type
         return {**out, "markov_rank": c.markov_rank, "markov_head_type": "vanilla",
                 "enable_confidence_head": c.confidence_head,
                 "confidence_head_with_markov": c.confidence_head, "sample_from_anchor": True,
@@ -212,9 +222,14 @@ class DSpark(DFlash):
         if (c.get("dflash_config") or {}).get("markov_rank") is not None:
             problems.append("markov_rank inside dflash_config: vLLM reads it at the top level "
                             "only")
-        if c.get("markov_head_type", "vanilla") != "vanilla":
-            problems.append(f"markov_head_type {c['markov_head_type']!r}: vLLM implements the "
-                            "vanilla head only")
+        head = c.get("markov_head_type")
+        if head is None and engine.name == "sglang":
+            problems.append("no markov_head_type: SGLang refuses a DSpark config without it "
+                            "(write markov_head_type: vanilla)")
+        elif head not in (None, "vanilla"):
+            problems.append(f"markov_head_type {head!r}: this drafter has the vanilla head "
+                            "(vLLM implements it alone; SGLang would look for the other head's "
+                            "weights)")
         if c.get("sample_from_anchor") is False or c.get("dspark_bonus_anchor"):
             problems.append("sample_from_anchor: false (vLLM 0.32; dspark_bonus_anchor: true "
                             "in vLLM 0.26) makes vLLM run DFlash's layout (the anchor not "

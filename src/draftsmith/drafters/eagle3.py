@@ -378,6 +378,22 @@ class Eagle3(Method):
     def proposer(self, model):
         return Eagle3Proposer(model)
 
+    def draft_cost(self, c, k, tau) -> dict:
+        fc, layer, head = self._weights(c)
+        flops = 2 * (tau * (fc + layer) + (k - 1) * layer + k * head)
+        return {"forwards": k, "flops": flops, "bytes": 2 * (fc + k * (layer + head))}
+
+    @staticmethod
+    def _weights(c: dict) -> tuple[int, int, int]:
+        """Matmul weights of fc, the layer (q/k/v read its 2H input) and the draft-vocab head."""
+        if c.get("arch") == "mla":
+            raise ValueError("the cost model counts Llama-layer drafters; "
+                             "benchmarks/train_ttt.py counts the MLA layer's FLOPs")
+        H, nh, nkv, hd = c["hidden_size"], c["num_heads"], c["num_kv_heads"], c["head_dim"]
+        fc = len(c["aux_layers"]) * c["target_hidden_size"] * H
+        layer = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * c["intermediate_size"]
+        return fc, layer, c["draft_vocab_size"] * H
+
     def export_config(self, c, engine) -> dict:
         ids = engine.layer_ids(c.aux_layers)
         return {

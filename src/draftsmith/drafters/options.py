@@ -26,6 +26,12 @@ LLAMA_ONLY_WHY = {"dflash": "vLLM's DFlash drafter is built of Qwen3 grouped-que
                   "p-eagle": "vLLM's parallel drafting loads mask_hidden in llama_eagle3.py "
                              "only",
                   "dspark": "vLLM's DSpark drafter is DFlash's Qwen3 layers, qwen3_dspark.py"}
+# The served engines of each method (each drafters/<method>.py's engine_names say in which
+# words), and why one is missing. A benchmark engine outside these is refused at load.
+METHOD_ENGINES = {"eagle3": ("vllm", "sglang"), "eagle3.1": ("vllm", "sglang"),
+                  "dflash": ("vllm", "sglang"), "p-eagle": ("vllm",), "dspark": ("vllm", "sglang")}
+NOT_SERVED_WHY = {("p-eagle", "sglang"): "SGLang 0.5.17 has no parallel drafting (its EAGLE "
+                                         "workers draft one depth a forward)"}
 BLOCK_METHODS = ("dflash", "dspark")  # a block of masks after an anchor: train.dflash's backbone
 
 
@@ -78,6 +84,17 @@ def train_problem(method: str, drafter_arch: str, attention: str) -> str | None:
         return (f"train.attention: {attention} runs EAGLE's TTT attention (causal within each "
                 f"document); {'DFlash' if method == 'dflash' else 'DSpark'}'s blocks over "
                 "sampled anchors need flex attention's mask. Set train.attention: auto or flex")
+    return None
+
+
+def engine_problem(method: str, engines: list[str]) -> tuple[str, str] | None:
+    """(problem, fix) when benchmark.engines names an engine that cannot serve the method."""
+    for engine in engines:
+        if engine != "reference" and engine not in METHOD_ENGINES[method]:
+            can = " or ".join(METHOD_ENGINES[method])
+            return (f"benchmark.engines has {engine}, which cannot serve train.method {method} "
+                    f"({NOT_SERVED_WHY[method, engine]})",
+                    f"serve it with {can}: benchmark.engines: [reference, {can.split()[0]}]")
     return None
 
 

@@ -127,6 +127,12 @@ class PEagle(Eagle3):
                 "trained", f"set benchmark.num_speculative_tokens <= {c.block_size}, or "
                 f"train with train.ttt_steps: {k}")
 
+    def draft_cost(self, c, k, tau) -> dict:
+        # EAGLE-3's FLOPs, in one forward: the new positions and k - 1 mask slots at once
+        fc, layer, head = self._weights(c)
+        return {**super().draft_cost(c, k, tau), "forwards": 1,
+                "bytes": 2 * (fc + layer + head)}
+
     def export_config(self, c, engine) -> dict:
         # vLLM's proposer reads the mask token from mask_token_id (or pard_token)
         return {**super().export_config(c, engine), "mask_token_id": c.mask_token_id,

@@ -111,7 +111,10 @@ def _mla_config(cfg: EmbeddedTargetConfig, tokenizer) -> DeepseekV3Config:
     - `topk_method: noaux_tc` spelled out: without it vLLM does not create the router's
       `e_score_correction_bias` that the checkpoint holds, and fails loading it;
     - untied embeddings: vLLM's DeepSeek model has no tied lm_head, so a tied checkpoint (no
-      `lm_head.weight`) serves uniform logits."""
+      `lm_head.weight`) serves uniform logits;
+    - `moe_layer_freq: 1` spelled out, as DeepSeek-V3's own config.json has it: transformers'
+      config class has no such field, and SGLang 0.5.17's DeepSeek model reads it and fails to
+      build without it (seen live on a GPU, 2026-12-06)."""
     head = cfg.head_width
     return DeepseekV3Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -121,7 +124,7 @@ def _mla_config(cfg: EmbeddedTargetConfig, tokenizer) -> DeepseekV3Config:
         first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=cfg.intermediate_size // 4, n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc",
-        scoring_func="sigmoid", num_nextn_predict_layers=0,
+        scoring_func="sigmoid", num_nextn_predict_layers=0, moe_layer_freq=1,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.pad_token_id,
