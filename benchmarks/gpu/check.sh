@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu/check.sh RUN [PARTS]
 # DRAFTERS: the Llama toy's drafters to serve (default every folder in RUN/llama/drafters; an
 # engine without an export for one, SGLang for P-EAGLE, skips it; " " none). Without RUN/mla
-# the MLA toy's parts are left out.
+# the MLA toy's parts are left out; without RUN/llama, SGLang's generate.
 # sglang: the drafters served by SGLang (unpacked by tools/gpu_wheelhouse.py into
 # $SGLANG_SITE, default /tmp/sglang-site; it runs from there alone, its transformers pin apart
 # from the pipeline's), the targets alone in it, and the generate stage through it; in lanes
@@ -108,9 +108,9 @@ if [[ $PARTS == *sglang* ]]; then
     done
     [[ -d $RUN/mla ]] && { sgl mla-eagle3 "$RUN/mla" models/drafter models/export "" --alone &
                            sleep 20; }
-    # generate and tokenize (which checks the chat format) through SGLang
-    (sglang_generate "$RUN/llama" "$OUT" "$SGLMEM $TRITON"
-     echo "sglang generate rc=$?" >> "$OUT/rc.txt") &
+    # generate and tokenize (which checks the chat format) through SGLang, on the Llama toy
+    [[ -d $RUN/llama ]] && (sglang_generate "$RUN/llama" "$OUT" "$SGLMEM $TRITON"
+                            echo "sglang generate rc=$?" >> "$OUT/rc.txt") &
 fi
 wait
 cat "$OUT/rc.txt"
