@@ -221,3 +221,14 @@ def test_engines_that_disagree_are_flagged():
                           {"temperature": 0.6, "acceptance_length": 1.01}]}
     assert engine_gaps(by_engine) == {0.6: {"reference": 3.12, "vllm": 1.01}}
     assert engine_gaps({"reference": by_engine["reference"]}) == {}
+
+
+def test_a_gap_at_t_above_0_names_sampling_noise_and_at_t_0_blames_the_engine():
+    from draftsmith.benchmark import gap_warnings
+
+    greedy, sampled = gap_warnings({0.0: {"reference": 1.9, "sglang": 1.5},
+                                    0.6: {"reference": 1.26, "sglang": 1.39}})
+    assert "T=0.0" in greedy and "not running this drafter as trained" in greedy
+    assert "noise" not in greedy  # same texts at T=0: no sampling to blame
+    assert "T=0.6" in sampled and "sampling noise" in sampled and "reference_seeds" in sampled
+    assert gap_warnings({}) == []
