@@ -85,7 +85,8 @@ def test_metrics_prints_one_line_a_stage_from_what_the_pipeline_wrote():
     assert "not run yet" not in p.stdout and "unreadable" not in p.stdout
     assert max(len(r) for r in rows) < 200  # a line a stage, not `dvc metrics show`'s columns
     benchmark = json.loads((REPO / "metrics/benchmark.json").read_text())
-    assert f"acceptance length {benchmark['acceptance_length']}" in rows[8]
+    assert (f"acceptance length {benchmark['acceptance_length']} +- "
+            f"{benchmark['acceptance_length_se']} at k=") in rows[8]  # with its error over prompts
 
 
 def test_metrics_says_which_stages_have_not_run_and_which_it_cannot_read(tmp_path):

@@ -232,3 +232,21 @@ def test_a_gap_at_t_above_0_names_sampling_noise_and_at_t_0_blames_the_engine():
     assert "noise" not in greedy  # same texts at T=0: no sampling to blame
     assert "T=0.6" in sampled and "sampling noise" in sampled and "reference_seeds" in sampled
     assert gap_warnings({}) == []
+
+
+def test_a_gap_at_t_above_0_is_judged_by_the_references_standard_error():
+    from draftsmith.benchmark import gap_warnings
+
+    # 2 sqrt(2) x 0.05 = 0.141: the MLA toy's SGLang gap (0.13) is within it, vLLM's greedy
+    # drafts at T=0.6 on the Llama toy (0.74) far beyond; at T=0 no error excuses a gap
+    se = {0.0: 0.05, 0.6: 0.05}
+    noise, engine = gap_warnings({0.6: {"reference": 1.26, "sglang": 1.39}}, se), gap_warnings(
+        {0.6: {"reference": 3.25, "vllm": 2.51}}, se)
+    assert "within sampling noise" in noise[0] and "0.141" in noise[0]
+    assert "WARNING" not in noise[0]
+    assert "WARNING" in engine[0] and "more than sampling explains" in engine[0]
+    assert "greedy drafts" in engine[0]
+    greedy = gap_warnings({0.0: {"reference": 1.9, "sglang": 1.85}}, se)[0]
+    assert "WARNING" in greedy and "not running this drafter as trained" in greedy
+    # no error known (no reference engine in the run): the hedged warning
+    assert "reference_seeds" in gap_warnings({0.6: {"vllm": 1.26, "sglang": 1.39}}, {})[0]

@@ -216,3 +216,30 @@ def test_generate_on_cuda_matches_the_cpu(target):
                                       temperature=0.8, gen=torch.Generator("cuda").manual_seed(0),
                                       **common)
     assert len(out) == 20 and stats.rounds > 0
+
+
+def test_ratio_standard_error_is_the_delta_method_over_units():
+    se = speculative.ratio_standard_error
+    assert se([(3, 1)]) is None and se([]) is None  # one unit: no spread to see
+    assert se([(6, 2), (9, 3), (3, 1)]) == 0.0  # every unit at the same ratio
+    # against a bootstrap over units, on skewed units (long prompts with low acceptance)
+    g = torch.Generator().manual_seed(0)
+    rounds = torch.randint(5, 60, (40,), generator=g).double()
+    emitted = rounds * (1 + 3 * torch.rand(40, generator=g, dtype=torch.double))
+    units = list(zip(emitted.tolist(), rounds.tolist()))
+    picks = torch.randint(0, 40, (4000, 40), generator=g)
+    boot = emitted[picks].sum(1) / rounds[picks].sum(1)
+    assert se(units) == pytest.approx(float(boot.std()), rel=0.1)
+
+
+def test_measure_reports_the_acceptance_lengths_standard_error_over_prompts(target):
+    """None spread where every prompt gives the same figure (the target drafting for itself);
+    one where prompts differ. That it predicts the spread over seeds at T > 0 is measured on the
+    MLA toy (benchmarks/reference_seeds.py: benchmarks/results/reference_seeds_cpu_mla.json)."""
+    prompts = [[i % V, (3 * i + 1) % V, (i * i) % V] for i in range(4)]
+    run = lambda proposer: speculative.measure(  # noqa: E731
+        target, proposer, prompts, k=3, aux_layers=[1, 2, 3], max_new_tokens=12, eos_id=-1,
+        temperature=0.8, seed=0, desc="se")[0]
+    itself = run(TargetProposer(target))
+    assert itself["acceptance_length"] == 4 and itself["acceptance_length_se"] == 0.0
+    assert run(Eagle3Proposer(random_drafter(target, draft_vocab=4)))["acceptance_length_se"] > 0

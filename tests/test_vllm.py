@@ -195,6 +195,7 @@ def test_reference_seeds_gives_the_spread_an_engine_at_t_above_0_is_judged_by(re
     lengths = [r["acceptance_length"] for r in s["rows"]]
     assert all(1 <= x <= s["k"] + 1 for x in lengths)
     assert (s["min"], s["max"]) == (min(lengths), max(lengths)) and s["sd"] > 0
+    assert all(r["acceptance_length_se"] > 0 for r in s["rows"]) and s["mean_se"] > 0
     with pytest.raises(SystemExit):  # at T=0 there is no spread to measure
         reference_seeds.main(["--repo", str(repo), "--temperature", "0", "--json", str(out)])
 

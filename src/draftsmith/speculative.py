@@ -19,6 +19,7 @@ the host reads tokens only where it decides on them.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -178,9 +179,10 @@ def _correction(p, q, gen) -> int:
 def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_id, temperature,
             seed: int, desc: str) -> tuple[dict, list[list[int]]]:
     """The drafter behind `proposer` with `model` on each prompt (token ids): the rounds'
-    summed SpecStats summary, and each prompt's output. Prompt i samples from its own seed."""
+    summed SpecStats summary with the acceptance length's standard error over prompts, and
+    each prompt's output. Prompt i samples from its own seed."""
     total = SpecStats(accepted_at=[0] * k, reached=[0] * k)
-    outputs = []
+    outputs, per_prompt = [], []
     for i, ids in enumerate(tqdm(prompts_ids, desc=desc, unit="prompt")):
         gen = torch.Generator(model.device).manual_seed(seed * 1_000_003 + i)
         out, stats = generate(model, proposer, ids, k=k, aux_layers=aux_layers,
@@ -188,4 +190,20 @@ def measure(model, proposer, prompts_ids, *, k, aux_layers, max_new_tokens, eos_
                               temperature=temperature, gen=gen)
         total.add(stats)
         outputs.append(out)
-    return total.summary(), outputs
+        per_prompt.append((stats.emitted, stats.rounds))
+    se = ratio_standard_error(per_prompt)
+    summary = {**total.summary(), "acceptance_length_se": se if se is None else round(se, 4)}
+    return summary, outputs
+
+
+def ratio_standard_error(units: list[tuple[float, float]]) -> float | None:
+    """The standard error of sum(e) / sum(r) over independent units (e, r), by the delta
+    method; None below 2 units. For acceptance length the units are prompts, each (tokens
+    emitted, rounds): a prompt's rounds share one text and context, so they are not independent
+    of each other, and an error over rounds would come out several times too small. It is how
+    far the figure moves with other prompts from the same source, or at T > 0 another seed."""
+    n, rounds = len(units), sum(r for _, r in units)
+    if n < 2 or rounds == 0:
+        return None
+    ratio = sum(e for e, _ in units) / rounds
+    return math.sqrt(n / (n - 1) * sum((e - ratio * r) ** 2 for e, r in units)) / rounds

@@ -75,7 +75,9 @@ def benchmark(m: dict) -> str:
                    for engine, temps in (m.get("by_engine") or {}).items())
     lossless = "lossless" if not m.get("not_lossless") else \
         f"NOT lossless: {m['not_lossless']}"
-    line = f"acceptance length {m.get('acceptance_length')} at k={m.get('k')} ({by}); {lossless}"
+    se = f" +- {m['acceptance_length_se']}" if m.get("acceptance_length_se") else ""
+    line = (f"acceptance length {m.get('acceptance_length')}{se} at k={m.get('k')} ({by}); "
+            f"{lossless}")
     if "random_drafter_acceptance_length" in m:
         line += f"; a random drafter {m['random_drafter_acceptance_length']}"
     return line
