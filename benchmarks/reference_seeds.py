@@ -26,24 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def spread(repo: Path, seeds: list[int], temperature: float, device: str | None) -> dict:
-    from draftsmith.benchmark import TargetJudge, held_out_prompts, measure, method_of
-    from draftsmith.checkpoint import load_drafter
+    from draftsmith.benchmark import TargetJudge, held_out_prompts
     from draftsmith.config import load_config
 
     cfg = load_config(repo / "params.yaml").benchmark
     prompts, _ = held_out_prompts(cfg, repo / "data/raw")
     judge = TargetJudge(cfg, repo / "models/target", prompts, device)
-    model = judge.model
-    drafter = load_drafter(repo / "models/drafter", model).to(model.device, model.dtype)
-    proposer = method_of(drafter.config).proposer(drafter)
+    model, drafter = judge.model, judge.load_drafter(repo / "models/drafter")
     rows = []
     for seed in seeds:
         t0 = time.time()
-        summary, outputs = measure(model, proposer, judge.prompt_ids, temperature=temperature,
-                                   k=cfg.num_speculative_tokens,
-                                   aux_layers=list(drafter.config.aux_layers),
-                                   max_new_tokens=cfg.max_new_tokens, eos_id=judge.eos,
-                                   seed=seed, desc=f"reference T={temperature} seed {seed}")
+        summary, outputs = judge.speculate(drafter, temperature, seed,
+                                           f"reference T={temperature} seed {seed}")
         rows.append({"seed": seed, "acceptance_length": summary["acceptance_length"],
                      # what one run reports of its own spread (over prompts)
                      "acceptance_length_se": summary["acceptance_length_se"],

@@ -165,10 +165,10 @@ def gap_warnings(gaps: dict, se: dict | None = None) -> list[str]:
     error over prompts somewhat exceeds what the seed alone moves on fixed prompts (the MLA toy:
     0.120 against an sd of 0.096 over 8 seeds, benchmarks/results/reference_seeds_cpu_mla.json),
     so the bound errs towards calling a gap noise by that much."""
-    lines = []
+    lines, se = [], se or {}
     for temp, values in gaps.items():
         gap = max(values.values()) - min(values.values())
-        noise = 2 * math.sqrt(2) * se[temp] if temp > 0 and (se or {}).get(temp) else None
+        noise = 2 * math.sqrt(2) * se[temp] if temp > 0 and se.get(temp) else None
         if noise is not None and gap <= noise:
             lines.append(f"benchmark: engines differ at T={temp}: {values} (acceptance length), "
                          f"within sampling noise: two engines that sample alike differ by up to "
@@ -221,6 +221,21 @@ class TargetJudge:
                 self._greedy.append(y[: y.index(self.eos) + 1] if self.eos in y else y)
         return self._greedy
 
+    def load_drafter(self, drafter_dir: Path):
+        """The trained drafter, on the target's device and in its dtype."""
+        from draftsmith.checkpoint import load_drafter
+
+        return load_drafter(drafter_dir, self.model).to(self.model.device, self.model.dtype)
+
+    def speculate(self, drafter, temperature: float, seed: int, desc: str
+                  ) -> tuple[dict, list[list[int]]]:
+        """The reference engine with `drafter` on these prompts: its summary and outputs."""
+        return measure(self.model, method_of(drafter.config).proposer(drafter), self.prompt_ids,
+                       k=self.cfg.num_speculative_tokens,
+                       aux_layers=list(drafter.config.aux_layers),
+                       max_new_tokens=self.cfg.max_new_tokens, eos_id=self.eos,
+                       temperature=temperature, seed=seed, desc=desc)
+
     def verdict(self, outputs: list[list[int]], temperature: float) -> dict:
         """Are these outputs (token ids, one list per prompt) the target's own at
         `temperature`?"""
@@ -234,23 +249,15 @@ def reference_acceptance(cfg: BenchmarkConfig, judge: TargetJudge, drafter_dir: 
                          ) -> tuple[list[dict], dict]:
     """The reference engine (speculative.py) at each temperature, plus a random drafter, on
     the judge's target (its device and dtype)."""
-    from draftsmith.checkpoint import load_drafter
-
-    model = judge.model
-    drafter = load_drafter(drafter_dir, model).to(model.device, model.dtype)
-    method = method_of(drafter.config)
-    common = dict(k=cfg.num_speculative_tokens, aux_layers=list(drafter.config.aux_layers),
-                  max_new_tokens=cfg.max_new_tokens, eos_id=judge.eos, seed=cfg.seed)
+    drafter = judge.load_drafter(drafter_dir)
     results = []
     for temp in cfg.temperatures:
         t0 = time.time()
-        summary, outputs = measure(model, method.proposer(drafter), judge.prompt_ids,
-                                   temperature=temp, desc=f"benchmark T={temp}", **common)
+        summary, outputs = judge.speculate(drafter, temp, cfg.seed, f"benchmark T={temp}")
         results.append({"temperature": temp, **summary, "wall_s": round(time.time() - t0, 1),
                         "lossless": judge.verdict(outputs, temp)})
-    baseline, _ = measure(model, method.proposer(random_drafter(drafter, cfg.seed)),
-                          judge.prompt_ids, temperature=0.0, desc="benchmark random drafter",
-                          **common)
+    baseline, _ = judge.speculate(random_drafter(drafter, cfg.seed), 0.0, cfg.seed,
+                                  "benchmark random drafter")
     return results, baseline
 
 
